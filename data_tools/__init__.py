@@ -1,0 +1,1 @@
+"""Offline data tools: tokenizers, the megatron .bin/.idx format, preprocessing, inspection, merging."""

@@ -1,0 +1,1 @@
+"""kernels package of the recurrent-transformer pretraining system."""

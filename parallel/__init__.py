@@ -1,0 +1,1 @@
+"""parallel package of the recurrent-transformer pretraining system."""

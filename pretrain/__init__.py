@@ -1,0 +1,1 @@
+"""pretrain package of the recurrent-transformer pretraining system."""

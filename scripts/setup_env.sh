@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (or the folder in $VENV) with the CPU build of torch 2.13.0 and this package installed
+# in editable mode with its test and input-format extras. Safe to run again: it only adds what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+# torch first and pinned: an unpinned torch requirement would pull a multi-GB CUDA build.
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,formats]' 2>&1 | grep -v "^WARNING: Location" || true
+"$VENV/bin/python" -c "import torch, numpy, sentencepiece, data_tools; print('[setup] ok: torch', torch.__version__)"
