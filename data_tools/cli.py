@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True, help="writes {PREFIX}_{key}_document.bin/.idx")
     p.add_argument("--tokenizer-model", required=True,
                    help="sentencepiece .model, Hugging Face tokenizer.json, or a folder holding one")
+    p.add_argument("--eos-token", help="the end-of-document token of a Hugging Face tokenizer whose eos "
+                   "is not one of the usual names (</s>, <|endoftext|>, <eos>, <|end_of_text|>)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize, one output each")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="tokenizing processes")
     eod = p.add_mutually_exclusive_group()
@@ -167,7 +169,7 @@ def _preprocess(args) -> int:
         json_keys=tuple(args.json_keys), workers=args.workers, append_eod=args.append_eod,
         input_format=args.input_format, text_unit=args.text_unit, dtype=args.dtype,
         chunk_mb=args.chunk_mb, partition_mb=args.partition_mb, overwrite=args.overwrite,
-        strict=args.strict, progress=args.progress, stats_json=args.stats_json,
+        strict=args.strict, progress=args.progress, stats_json=args.stats_json, eos_token=args.eos_token,
     )
     try:
         preprocess(cfg)

@@ -48,6 +48,10 @@ class PreprocessConfig:
     strict: bool = False
     progress: bool = True
     stats_json: str | None = None  # per-chunk timings, for benchmarks
+    eos_token: str | None = None  # names the end-of-document token of a foreign tokenizer
+
+    def tokenizer_overrides(self) -> dict:
+        return {"eos_token": self.eos_token} if self.eos_token else {}
 
 
 @dataclass
@@ -88,11 +92,12 @@ def output_prefix_for(prefix: str, key: str) -> str:
 _W: dict = {}
 
 
-def _init_worker(tokenizer_path: str, keys, append_eod: bool, strict: bool, max_id: int) -> None:
+def _init_worker(tokenizer_path: str, overrides: dict, keys, append_eod: bool, strict: bool,
+                 max_id: int) -> None:
     from .tokenizer import load_tokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process = one encoding thread
-    tok = load_tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path, **overrides)
     _W.update(tok=tok, keys=tuple(keys), eod=tok.eod_id if append_eod else None, strict=strict, max_id=max_id)
 
 
@@ -137,13 +142,14 @@ def encode_chunk(chunk: Chunk):
 
 
 # -- main side ---------------------------------------------------------------------------------
-def _fingerprint(cfg: PreprocessConfig, inputs, tok_fp: str, dtype) -> str:
+def _fingerprint(cfg: PreprocessConfig, inputs, tok, dtype) -> str:
     desc = {
         "version": _PLAN_VERSION,
         "inputs": [(os.path.realpath(p), f, os.path.getsize(p) if os.path.isfile(p) else 0,
                     os.stat(p).st_mtime_ns) for p, f in inputs],
-        "keys": list(cfg.json_keys), "eod": cfg.append_eod, "text_unit": cfg.text_unit,
-        "chunk_mb": cfg.chunk_mb, "partition_mb": cfg.partition_mb, "tokenizer": tok_fp,
+        "keys": list(cfg.json_keys), "append_eod": cfg.append_eod, "text_unit": cfg.text_unit,
+        "chunk_mb": cfg.chunk_mb, "partition_mb": cfg.partition_mb, "tokenizer": tok.fingerprint(),
+        "eod": tok.eod_id,
         "dtype": np.dtype(dtype).name,
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
@@ -215,12 +221,12 @@ def preprocess(cfg: PreprocessConfig, log=print) -> Stats:
     if existing and not cfg.overwrite:
         raise InputError(f"{existing[0]}.bin/.idx already exists; pass --overwrite to replace it")
     inputs = expand_inputs(cfg.inputs, cfg.input_format)
-    tok = load_tokenizer(cfg.tokenizer)
+    tok = load_tokenizer(cfg.tokenizer, **cfg.tokenizer_overrides())
     dtype = _resolve_dtype(cfg.dtype, tok.vocab_size)
     max_id = int(np.iinfo(dtype).max)
     chunks = plan_chunks(inputs, max(int(cfg.chunk_mb * (1 << 20)), 1), cfg.text_unit)
     parts = _partitions(chunks, cfg.partition_mb * (1 << 20))
-    parts_dir = f"{cfg.output_prefix}.parts-{_fingerprint(cfg, inputs, tok.fingerprint(), dtype)}"
+    parts_dir = f"{cfg.output_prefix}.parts-{_fingerprint(cfg, inputs, tok, dtype)}"
     os.makedirs(parts_dir, exist_ok=True)
 
     total = Stats()
@@ -241,7 +247,7 @@ def preprocess(cfg: PreprocessConfig, log=print) -> Stats:
     progress.update(total.input_bytes, total)
     timeline = []
     t_start = time.perf_counter()
-    init_args = (cfg.tokenizer, cfg.json_keys, cfg.append_eod, cfg.strict, max_id)
+    init_args = (cfg.tokenizer, cfg.tokenizer_overrides(), cfg.json_keys, cfg.append_eod, cfg.strict, max_id)
     order = [(p, i) for p in todo for i in parts[p]]
     pool = None
     try:
