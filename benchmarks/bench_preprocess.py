@@ -22,6 +22,7 @@ import argparse
 import gzip
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -114,6 +115,7 @@ def main() -> None:
                        "--workers", str(args.workers), "--overwrite", "--no-progress", "--stats-json", stats_file),
                    check=True, env=env)
     wall = time.perf_counter() - t0
+    peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # largest single process
     with open(stats_file) as f:
         st = json.load(f)
     raw2, _ = raw_rate()
@@ -133,6 +135,8 @@ def main() -> None:
     raw = (raw1 + raw2) / 2
     print(f"preprocess, {args.workers} workers, steady:   {steady:,.0f} tok/s")
     print(f"preprocess end to end ({wall:.1f} s): {e2e:,.0f} tok/s")
+    print(f"peak resident memory of one preprocessing process: {peak_mb:,.0f} MB "
+          f"(input {os.path.getsize(corpus) / 1e6:,.0f} MB)")
     print(f"RATIO steady / raw     = {steady / raw:.3f}  (target >= 0.85; raw runs {raw1:,.0f} and {raw2:,.0f})")
     print(f"RATIO end-to-end / raw = {e2e / raw:.3f}  (target >= 0.70)")
 
