@@ -153,3 +153,27 @@ def test_collate_of_a_packed_dataset_batch(tmp_path):
     assert torch.equal(~batch.loss_mask, eod_inputs)
     starts = batch.positions == 0
     assert torch.equal(starts[:, 1:], eod_inputs[:, :-1])
+
+
+def test_dataloader_workers_see_the_same_batches(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from data_tools.indexed import IndexedWriter
+    from pretrain.data import Collator, PackedDataset
+
+    rng = np.random.default_rng(1)
+    children = []
+    for name in ("web", "code"):
+        with IndexedWriter(tmp_path / name, np.uint16) as w:
+            for n in rng.integers(1, 40, 120):
+                w.add_document(np.append(rng.integers(10, 100, n - 1), 2))
+        children.append(PackedDataset(str(tmp_path / name), 12, split="1", cache_dir=tmp_path / "c"))
+    blend = BlendedDataset([(0.7, children[0]), (0.3, children[1])], block_size=10)
+    sampler = GlobalBatchSampler(8, 2, dp_rank=1, dp_size=2, consumed_samples=16, total_samples=48)
+    loader = DataLoader(blend, batch_sampler=sampler, collate_fn=Collator(eod_id=2), num_workers=2)
+    batches = list(loader)
+    assert len(batches) == len(sampler) == 8
+    for got, indices in zip(batches, sampler):
+        want = Collator(eod_id=2)([blend[i] for i in indices])
+        for field in ("tokens", "labels", "loss_mask", "doc_ids", "positions"):
+            assert torch.equal(getattr(got, field), getattr(want, field))
