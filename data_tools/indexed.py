@@ -76,7 +76,8 @@ def dataset_exists(prefix: str | os.PathLike) -> bool:
     return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes its renames durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -225,11 +226,7 @@ class IndexedWriter:
                 os.unlink(idx_path(self.prefix))
             os.replace(self._bin_tmp, bin_path(self.prefix))
             os.replace(self._idx_tmp, idx_path(self.prefix))
-            dir_fd = os.open(os.path.dirname(os.path.abspath(self.prefix)), os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_path(os.path.dirname(os.path.abspath(self.prefix)))
         finally:
             self._closed = True
             self._remove_temps()

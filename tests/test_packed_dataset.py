@@ -265,3 +265,15 @@ def test_failed_build_leaves_no_cache_entry(tmp_path):
     assert [f for f in os.listdir(tmp_path) if not f.endswith(".lock")] == []
     arrays, built, _ = load_or_build(str(tmp_path), {"k": 1}, lambda: {"a": np.arange(3)}, ["a"])
     assert built and arrays["a"].tolist() == [0, 1, 2]
+
+
+def test_damaged_cache_entry_is_a_clear_error(tmp_path):
+    prefix = write_docs(tmp_path / "d", random_docs())
+    ds = PackedDataset(prefix, 8, cache_dir=tmp_path / "c")
+    ds[0]
+    victim = os.path.join(ds.cache_path(0), "samples.npy")
+    with open(victim, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(OSError, match=r"index cache .* is unreadable .* delete that directory to rebuild") as e:
+        PackedDataset(prefix, 8, cache_dir=tmp_path / "c")[0]
+    assert "\n" not in str(e.value)

@@ -28,6 +28,8 @@ from typing import Callable
 
 import numpy as np
 
+from data_tools.indexed import fsync_path
+
 META_FILE = "key.json"  # the inputs the key was derived from, for humans debugging a cache
 
 
@@ -41,16 +43,12 @@ def stable_hash(obj) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _load(final: str, names: list[str]) -> dict[str, np.ndarray]:
-    return {n: np.load(os.path.join(final, n + ".npy"), mmap_mode="r") for n in names}
+    try:
+        return {n: np.load(os.path.join(final, n + ".npy"), mmap_mode="r") for n in names}
+    except (OSError, ValueError, EOFError) as e:  # a damaged or hand-edited cache entry
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise OSError(f"index cache {final} is unreadable ({reason}); delete that directory to rebuild it") from e
 
 
 def _publish(root: str, key: str, inputs, build: Callable[[], dict[str, np.ndarray]]) -> bool:
@@ -62,12 +60,12 @@ def _publish(root: str, key: str, inputs, build: Callable[[], dict[str, np.ndarr
         for name, arr in arrays.items():
             path = os.path.join(tmp, name + ".npy")
             np.save(path, np.ascontiguousarray(arr))
-            _fsync(path)
+            fsync_path(path)
         with open(os.path.join(tmp, META_FILE), "w") as f:
             f.write(canonical_json(inputs))
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
+        fsync_path(tmp)
         try:
             os.rename(tmp, final)
         except OSError as e:
@@ -75,7 +73,7 @@ def _publish(root: str, key: str, inputs, build: Callable[[], dict[str, np.ndarr
             if e.errno in (errno.EEXIST, errno.ENOTEMPTY) and os.path.isdir(final):
                 return False
             raise
-        _fsync(root)  # make the new directory entry durable
+        fsync_path(root)  # make the new directory entry durable
         return True
     finally:
         if os.path.isdir(tmp):

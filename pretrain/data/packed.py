@@ -257,9 +257,18 @@ class PackedDataset:
             out[:w] = self._data_mv[a:end0]
             out[w:] = self._data_mv[start1:b]
             return {"tokens": raw.astype(np.int64), "doc_ids": self._step[self._L1 - w : 2 * self._L1 - w]}
-        doc_ids = np.empty(self._L1, np.int32)
-        self._gather(a, b, p0, p1, end0, start1, out, memoryview(doc_ids))
-        doc_ids.flags.writeable = False  # read-only like the shared views
+        # Three or more documents: doc ids are the sum of one 0-then-1 step per boundary.
+        data, step, L1 = self._data_mv, self._step, self._L1
+        w = end0 - a
+        out[:w] = data[a:end0]
+        doc_ids = None
+        for lo, hi in self._bounds[p0 + 1 : p1].tolist():
+            view = step[L1 - w : 2 * L1 - w]
+            doc_ids = view.copy() if doc_ids is None else np.add(doc_ids, view, out=doc_ids)
+            out[w : w + hi - lo] = data[lo:hi]
+            w += hi - lo
+        out[w:] = data[start1:b]
+        np.add(doc_ids, step[L1 - w : 2 * L1 - w], out=doc_ids)
         return {"tokens": raw.astype(np.int64), "doc_ids": doc_ids}
 
     def _gather(self, a, b, p0, p1, end0, start1, out, doc_out) -> None:
