@@ -22,6 +22,7 @@ corrupt data.
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 from pathlib import Path
@@ -435,6 +436,35 @@ class IndexedDataset:
         starts = self.sequence_token_starts()
         first = starts[self.document_indices[:-1]]
         return first, starts[self.document_indices[1:]] - first
+
+    def max_token_id(self, chunk_tokens: int = 1 << 26) -> int:
+        """The largest token id in the .bin (-1 when empty), scanned once and cached beside the data.
+
+        The format has no vocabulary field, so this is how a trainer checks that the data fits its
+        model. The cache `{prefix}.maxid.json` is keyed by both files' sizes and mtimes.
+        """
+        stamp = [os.stat(f).st_size for f in (self.idx_file, self.bin_file)] + [
+            os.stat(f).st_mtime_ns for f in (self.idx_file, self.bin_file)]
+        cache = self.prefix + ".maxid.json"
+        try:
+            with open(cache) as f:
+                saved = json.load(f)
+            if saved.get("stamp") == stamp:
+                return int(saved["max_token_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        tokens = self.tokens
+        top = -1
+        for start in range(0, len(tokens), chunk_tokens):
+            top = max(top, int(tokens[start : start + chunk_tokens].max()))
+        try:  # a read-only dataset directory just means no cache
+            tmp = f"{cache}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"max_token_id": top, "stamp": stamp}, f)
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+        return top
 
     def __repr__(self) -> str:
         return (

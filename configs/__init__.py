@@ -1,0 +1,1 @@
+"""Shipped run configs (YAML), usable by short name: `pretrain train baseline/tiny`."""

@@ -1,0 +1,374 @@
+"""Atomic, layout-free checkpoints written with torch.distributed.checkpoint (DCP).
+
+`run_dir/checkpoints/step_00000100/` holds DCP files (`.metadata`, `__*.distcp`) for the tensors
+{"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", ...}}}, "rng": {"torch_cpu",
+"torch_cuda_<i>"}}, `optim.json` (the optimizer's param_groups, parameters named by FQN) and
+`meta.json` (the caller's meta plus schema_version and step). State goes through torch's
+get_/set_*_state_dict, so every key is a parameter name and a later load may reshard into another
+layout. Only tensors go through DCP (it would unpickle anything else with weights_only=False), so
+hyperparameters travel as JSON; DCP's own `.metadata` is the one pickle read.
+
+With no process group DCP runs in this process (`no_dist=True`, passed explicitly; DCP would infer it
+and warn). Saving is single-process for now: temp names carry the pid, renames are not coordinated.
+
+Atomicity: everything is written into `.step_X.tmp-<pid>` and fsynced, meta.json last (its presence
+marks completeness), then renamed into place; `latest` (the newest directory's name) is replaced via
+a fsynced temp file. Deletion renames aside first, so a crash mid-delete leaves no complete-looking husk.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_model_state_dict,
+    set_optimizer_state_dict)
+
+from data_tools.indexed import fsync_path
+
+SCHEMA_VERSION = 1
+META_FILE, OPTIM_FILE, LATEST_FILE, DCP_METADATA = "meta.json", "optim.json", "latest", ".metadata"
+_STEP_DIR = re.compile(r"step_(\d+)")
+_LEFTOVER = re.compile(r"\.(?:step_\d+|latest)\.(?:tmp|old)-(\d+)")  # temp or set-aside names, with pid
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message is one line naming the checkpoint and the problem."""
+
+
+class _Unusable(Exception):
+    """Why a checkpoint directory is unusable, phrased to follow its name: "is incomplete (...)"."""
+
+
+def _write_file(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _first_line(e: BaseException) -> str:
+    if isinstance(e, CheckpointException) and e.failures:  # DCP wraps per-rank tracebacks
+        e = next(iter(e.failures.values()))[0]
+    if isinstance(e, pickle.UnpicklingError):  # torch.load's message would suggest weights_only=False
+        return "UnpicklingError: damaged data"
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+
+
+@contextlib.contextmanager
+def _dcp_call():
+    """DCP's keyword for this process; silences its warning that no process group means single process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield {"no_dist": not (dist.is_available() and dist.is_initialized())}
+
+
+def _read_meta(path: str) -> dict:
+    if not os.path.isfile(os.path.join(path, META_FILE)):
+        raise _Unusable(f"is incomplete (no {META_FILE})")
+    try:
+        with open(os.path.join(path, META_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _Unusable(f"has an unreadable {META_FILE} ({_first_line(e)})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("schema_version"), int):
+        raise _Unusable(f"has an unreadable {META_FILE} (not an object with an integer schema_version)")
+    return meta
+
+
+def _read_dcp_metadata(path: str) -> Metadata:
+    """DCP's `.metadata`, after checking that every data file it names is there in full."""
+    if not os.path.isfile(os.path.join(path, DCP_METADATA)):
+        raise _Unusable(f"is incomplete (no DCP {DCP_METADATA} file)")
+    try:
+        md = dcp.FileSystemReader(path).read_metadata()
+        if not isinstance(md, Metadata):
+            raise TypeError(f"it holds a {type(md).__name__}")
+    except Exception as e:
+        raise _Unusable(f"has an unreadable DCP {DCP_METADATA} ({_first_line(e)})") from None
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        if not os.path.isfile(file := os.path.join(path, name)):
+            raise _Unusable(f"is incomplete (data file {name} is missing)")
+        if os.path.getsize(file) < size:
+            raise _Unusable(f"is corrupt (data file {name} is truncated: {os.path.getsize(file)} of {size} bytes)")
+    return md
+
+
+def _problem(path: str) -> str | None:
+    """None if `path` is a complete checkpoint, else why not (truncation is seen, bit flips are not)."""
+    try:
+        _read_meta(path)
+        _read_dcp_metadata(path)
+    except _Unusable as e:
+        return str(e)
+    return None
+
+
+def _step_dirs(root: str) -> list[tuple[int, str]]:
+    """(step, name) of every final-named checkpoint directory, complete or not, ascending."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = [(int(m.group(1)), n) for n in names if (m := _STEP_DIR.fullmatch(n))]
+    return sorted(s for s in found if os.path.isdir(os.path.join(root, s[1])))
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints of `run_dir`, ascending by step."""
+    root = os.path.join(run_dir, "checkpoints")
+    return [(s, os.path.join(root, n)) for s, n in _step_dirs(root) if _problem(os.path.join(root, n)) is None]
+
+
+def latest_checkpoint(run_dir: str, log=print) -> str | None:
+    """The checkpoint `latest` names or, if that is unusable, the newest complete one (said in one line)."""
+    root, name = os.path.join(run_dir, "checkpoints"), None
+    try:
+        with open(os.path.join(root, LATEST_FILE)) as f:
+            text = f.read(256).strip()
+        if not _STEP_DIR.fullmatch(text):
+            reason = f"checkpoints/{LATEST_FILE} holds no checkpoint name ({text[:40]!r})"
+        elif not os.path.isdir(os.path.join(root, name := text)):
+            reason = f"checkpoint {name} named by checkpoints/{LATEST_FILE} is missing"
+        elif (why := _problem(os.path.join(root, name))) is not None:
+            reason = f"checkpoint {name} {why}"
+        else:
+            return os.path.join(root, name)
+    except FileNotFoundError:
+        reason = f"checkpoints/{LATEST_FILE} is missing"
+    except (OSError, UnicodeDecodeError) as e:
+        reason = f"checkpoints/{LATEST_FILE} is unreadable ({_first_line(e)})"
+    candidates = [n for _, n in reversed(_step_dirs(root)) if n != name]
+    fallback = next((n for n in candidates if _problem(os.path.join(root, n)) is None), None)
+    if fallback is not None:
+        log(f"{reason}; falling back to {fallback}")
+        return os.path.join(root, fallback)
+    if name is not None or candidates:  # a fresh run (no checkpoint, no `latest`) is not worth a line
+        log(f"{reason}; no complete checkpoint to fall back to")
+    return None
+
+
+def _encode(value):  # an optimizer hyperparameter as JSON; tensor values (e.g. a tensor lr) are tagged
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).removeprefix("torch.")}
+    return [_encode(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _decode(key: str, value):  # lists other than "params" were tuples (AdamW's betas)
+    if isinstance(value, dict) and "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+    return tuple(_decode("", v) for v in value) if isinstance(value, list) and key != "params" else value
+
+
+def _to_json(obj, what: str) -> str:
+    try:
+        return json.dumps(obj, indent=1, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"torch_cuda_{i}": torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())})
+    return rng
+
+
+def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_last: int = 2,
+                    keep_every: int = 0) -> str:
+    """Write checkpoint `step` atomically, point `latest` at it, apply retention; return its path.
+
+    Retention keeps the newest `keep_last` complete checkpoints, those whose step is a multiple of
+    `keep_every` (when > 0) and always the one just written; it also removes what crashed saves of
+    processes that are gone left behind. `optimizer` may be None (a weights-only checkpoint).
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if keep_last < 1 or keep_every < 0:
+        raise ValueError(f"keep_last must be >= 1 and keep_every >= 0, got {keep_last} and {keep_every}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotImplementedError("save_checkpoint is single-process for now (no rank coordination yet)")
+    for key, value in (("step", step), ("schema_version", SCHEMA_VERSION)):
+        if key in meta and meta[key] != value:
+            raise ValueError(f"meta[{key!r}] is {meta[key]!r} but the checkpoint's {key} is {value!r}")
+    meta_text = _to_json({**meta, "schema_version": SCHEMA_VERSION, "step": step}, "meta")
+    state: dict = {"rng": _rng_state()}
+    if optimizer is None:
+        state["model"] = get_model_state_dict(model)
+    else:
+        had_state = bool(optimizer.state)
+        state["model"], optim_sd = get_state_dict(model, optimizer)
+        if not had_state:  # get_state_dict initialised it with a zero-lr step: undo, save it empty
+            optimizer.state.clear()
+        elif optim_sd["state"]:
+            state["optim"] = {"state": optim_sd["state"]}
+        groups = [{k: _encode(v) for k, v in g.items()} for g in optim_sd["param_groups"]]
+        groups_text = _to_json({"param_groups": groups}, "the optimizer's param_groups")
+
+    root, name, pid = os.path.join(run_dir, "checkpoints"), f"step_{step:08d}", os.getpid()
+    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{pid}")
+    if not os.path.isdir(root):
+        os.makedirs(root)
+        fsync_path(os.path.dirname(root) or ".")  # the new directory's entry in run_dir
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with _dcp_call() as kw:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), **kw)
+        if optimizer is not None:
+            _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
+        _write_file(os.path.join(tmp, META_FILE), meta_text)  # last: its presence marks completeness
+        for dirpath, _, files in os.walk(tmp):
+            for f in files:
+                fsync_path(os.path.join(dirpath, f))
+            fsync_path(dirpath)
+        if os.path.lexists(final):  # a re-save of this step after a resume: swap, then delete the old
+            aside = os.path.join(root, f".{name}.old-{pid}")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            fsync_path(root)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+            fsync_path(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_file(latest_tmp := os.path.join(root, f".{LATEST_FILE}.tmp-{pid}"), name + "\n")
+    os.replace(latest_tmp, os.path.join(root, LATEST_FILE))
+    fsync_path(root)
+    _retain(root, step, keep_last, keep_every)
+    return final
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # EPERM: it exists, as someone else's
+        return True
+    return pid > 0  # 0 would have signalled our own process group
+
+
+def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> None:
+    steps = _step_dirs(root)
+    complete = [s for s, n in steps if _problem(os.path.join(root, n)) is None]
+    keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0)}
+    doomed = [n for s, n in steps if s not in keep]
+    trash = [os.path.join(root, f".{n}.old-{os.getpid()}") for n in doomed]
+    for n, aside in zip(doomed, trash):  # aside first: a crash mid-rmtree must not leave a husk
+        os.rename(os.path.join(root, n), aside)
+    if doomed:
+        fsync_path(root)
+    for n in os.listdir(root):  # leftovers of crashed saves by processes that are gone
+        if (m := _LEFTOVER.fullmatch(n)) and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+            trash.append(os.path.join(root, n))
+    for path in trash:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def read_meta(path: str) -> dict:
+    """meta.json of checkpoint `path` (JSON only, schema checked); CheckpointError if unusable."""
+    try:
+        meta = _read_meta(path)
+    except _Unusable as e:
+        raise CheckpointError(f"checkpoint {path} {e}") from None
+    if meta["schema_version"] > SCHEMA_VERSION:
+        raise CheckpointError(f"checkpoint {path} has schema_version {meta['schema_version']}, "
+                              f"newer than this code's {SCHEMA_VERSION}; update the code to load it")
+    return meta
+
+
+def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
+                    expect_arch: str | None = None) -> dict:
+    """Load checkpoint `path` in place into `model` (and `optimizer`, and the RNG); return its meta.
+
+    The model is checked before it is modified, but a failure inside DCP's read itself may leave it
+    partly loaded (in place): a CheckpointError is never something to continue past. Gradients are
+    dropped when the optimizer is loaded (they belong to the old weights).
+    """
+    meta = read_meta(path)
+    try:
+        md = _read_dcp_metadata(path)
+    except _Unusable as e:
+        raise CheckpointError(f"checkpoint {path} {e}") from None
+    model_cfg = meta["config"].get("model") if isinstance(meta.get("config"), dict) else None
+    arch = model_cfg.get("arch") if isinstance(model_cfg, dict) else None
+    if expect_arch is not None and arch != expect_arch:
+        raise CheckpointError(f"checkpoint {path} holds model.arch {arch!r}, the config asks for {expect_arch!r}")
+    saved = md.state_dict_metadata
+    state = {"model": get_model_state_dict(model)}
+    _check(path, saved, state)  # before the optimizer's lazy state gets created below
+    has_optim = any(k.startswith("optim.") for k in saved)
+    if optimizer is not None:
+        try:
+            with open(os.path.join(path, OPTIM_FILE)) as f:
+                groups = [{k: _decode(k, v) for k, v in g.items()} for g in json.load(f)["param_groups"]]
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved without one)") from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint {path} has an unreadable {OPTIM_FILE} ({_first_line(e)})") from None
+        if has_optim:  # (none if saved before the first step.) DSD creates a fresh optimizer's lazy
+            optimizer.zero_grad(set_to_none=True)  # state for DCP to load into, but only without grads
+            state["optim"] = {"state": get_optimizer_state_dict(model, optimizer)["state"]}
+    if restore_rng:
+        if "rng.torch_cpu" not in saved:
+            raise CheckpointError(f"checkpoint {path} holds no RNG state")
+        state["rng"] = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}  # CUDA only if saved
+    _check(path, saved, state)
+    try:
+        with _dcp_call() as kw:
+            dcp.load(state, checkpoint_id=path, **kw)
+        set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            if not has_optim:
+                optimizer.state.clear()
+            optim_state = state["optim"]["state"] if has_optim else {}
+            set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} could not be loaded ({_first_line(e)})") from None
+    if restore_rng:
+        torch.set_rng_state(state["rng"]["torch_cpu"])
+        for key, value in state["rng"].items():
+            if key.startswith("torch_cuda_"):
+                torch.cuda.set_rng_state(value, int(key.removeprefix("torch_cuda_")))
+    return meta
+
+
+def _check(path: str, saved: dict, state: dict) -> None:
+    """Every tensor `state` asks for is saved with its shape; the model/optim sections have no extras."""
+    wanted = dict(_flatten(state))
+    for key, tensor in wanted.items():
+        if not isinstance(entry := saved.get(key), TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {path} has no tensor {key} (saved from a different model?)")
+        if tuple(entry.size) != tuple(tensor.size()):
+            raise CheckpointError(f"checkpoint {path} has {key} of shape {tuple(entry.size)}, "
+                                  f"the model has {tuple(tensor.size())} (a different model size?)")
+    extra = sorted(k for k in saved if k.startswith(tuple(f"{s}." for s in state if s != "rng")) and k not in wanted)
+    if extra:
+        raise CheckpointError(f"checkpoint {path} has {extra[0]} (and {len(extra) - 1} more keys) "
+                              "that the model lacks (saved from a different model?)")
+
+
+def _flatten(tree: dict, prefix: str = ""):
+    """(DCP key, tensor) of a nested dict of tensors; DCP joins nested keys with '.'."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value

@@ -1,0 +1,228 @@
+"""`pretrain`: train, evaluate, sample, plot and size models. Run `pretrain VERB --help`.
+
+torch is imported inside the verbs, so `pretrain --help` answers at once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_INFO_HELP = """examples:
+  pretrain info baseline/xs
+  pretrain info configs/baseline/tiny.yaml model.n_layers=8 --json
+
+Parameters are counted on the meta device (nothing is allocated): shared (tied) tensors count once;
+the token embedding and an untied output head count as embedding.
+flops_per_token is training FLOPs per token at data.seq_len T, from the architecture's own formula.
+For the baseline: 6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T, i.e. forward x 3 (forward plus
+backward), 2 FLOPs per multiply-add, the output head included, attention scores and values at full
+length T (L layers, width d, FFN width f, vocabulary V)."""
+
+_TRAIN_HELP = """examples:
+  pretrain train baseline/tiny                                   # a shipped config, by short name
+  pretrain train configs/baseline/tiny.yaml optim.lr=1e-3 train.max_steps=500
+  pretrain train baseline/xs data.train=[data/web_text_document] train.name=xs-web
+
+Overrides are dotted `section.key=value` (sections: model, parallel, data, optim, schedule, train,
+checkpoint, log); an unknown key or a wrong type is an error. The run directory (train.run_dir,
+default runs/<train.name>) receives config.yaml, metrics.jsonl, the tokenizer and checkpoints/; a
+run started again with the same run directory resumes from its latest checkpoint
+(checkpoint.resume=false starts over)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="pretrain", description="Pretrain recurrent transformer architectures.",
+                                  epilog="Run `pretrain VERB --help` for the options and examples of each verb.")
+    verbs = top.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    def verb(name, help_, epilog=None):
+        return verbs.add_parser(name, help=help_, description=help_, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    t = verb("train", "train a model from a config (resumes a run directory's latest checkpoint)", _TRAIN_HELP)
+    t.add_argument("config", help="a YAML file or a shipped config's short name (e.g. baseline/tiny)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
+
+    e = verb("eval", "validation loss and perplexity of a checkpoint",
+             "example:\n  pretrain eval runs/quickstart --batches 50 --unigram-entropy")
+    e.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    e.add_argument("--batches", type=int, default=0, help="micro batches to evaluate (default: train.eval_batches)")
+    e.add_argument("--unigram-entropy", action="store_true",
+                   help="also print the unigram entropy of the validation tokens: a model that learned "
+                   "context scores well below it")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+
+    g = verb("generate", "sample text from a checkpoint with a KV cache",
+             "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40")
+    g.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    g.add_argument("--prompt", default="", help="text to continue (default: the beginning of a document)")
+    g.add_argument("--max-tokens", type=int, default=100)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--num-samples", type=int, default=1)
+
+    p = verb("plot", "plot the loss curves of one or more runs to a PNG",
+             "example:\n  pretrain plot runs/a runs/b --output loss.png")
+    p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
+    p.add_argument("--output", default="loss.png")
+    p.add_argument("--x", choices=("step", "tokens"), default="step")
+
+    i = verb("info", "parameter counts and FLOPs per token of a config, without allocating it", _INFO_HELP)
+    i.add_argument("config")
+    i.add_argument("overrides", nargs="*")
+    i.add_argument("--json", action="store_true", help="print params_total, params_embedding, "
+                   "params_non_embedding and flops_per_token as JSON")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info}
+    try:
+        return handlers[args.verb](args)
+    except KeyboardInterrupt:
+        print(f"pretrain {args.verb}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if not isinstance(e, (ValueError, FileNotFoundError)) and type(e).__name__ not in _CLEAN_ERRORS:
+            raise  # an unexpected failure keeps its traceback
+        print(f"pretrain {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+_CLEAN_ERRORS = {"CheckpointError", "NonFiniteLossError", "IndexedFormatError", "ConfigError"}
+
+
+def _info(args) -> int:
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.models import count_parameters, get_arch
+
+    cfg = load_config(args.config, args.overrides, check_data=False)
+    spec = get_arch(cfg.model.arch)
+    with torch.device("meta"):
+        counts = count_parameters(spec.build(cfg.model))
+    flops = spec.flops_per_token(cfg.model, cfg.data.seq_len)
+    out = {"params_total": counts["total"], "params_embedding": counts["embedding"],
+           "params_non_embedding": counts["non_embedding"], "flops_per_token": flops}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"{cfg.model.arch}: {counts['total']:,} parameters ({counts['embedding']:,} embedding, "
+              f"{counts['non_embedding']:,} non-embedding); {flops / 1e9:,.3f} GFLOP per training token "
+              f"at T={cfg.data.seq_len}; {flops * cfg.tokens_per_step / 1e12:,.1f} TFLOP per step")
+    return 0
+
+
+def _train(args) -> int:
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+
+    record = Trainer(load_config(args.config, args.overrides)).fit()
+    if "val_loss" in record:
+        print(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} "
+              f"(ppl {record['val_ppl']:.1f})")
+    return 0
+
+
+def _eval(args) -> int:
+    from pretrain.data import Collator
+    from pretrain.data.build import valid_dataset
+    from pretrain.generate import load_for_inference
+    from pretrain.trainer import eod_id_of, evaluate_loss
+
+    model, spec, cfg, _ = load_for_inference(args.path)
+    data, available = valid_dataset(cfg.data)
+    micro = cfg.train.micro_batch_seqs
+    n = min((args.batches or cfg.train.eval_batches) * micro, available)
+    collate = Collator(eod_id_of(cfg.data), cfg.data.reset_positions, cfg.data.mask_cross_document)
+    result = evaluate_loss(model, data, n, micro, collate, next(model.parameters()).device)
+    if args.unigram_entropy:
+        result["unigram_entropy"] = unigram_entropy(cfg.data, cfg.model.vocab_size)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"val loss {result['val_loss']:.4f} nats/token, perplexity {result['val_ppl']:.2f} "
+          f"({result['val_tokens']:,} tokens)")
+    if args.unigram_entropy:
+        gap = result["unigram_entropy"] - result["val_loss"]
+        print(f"unigram entropy of the validation tokens {result['unigram_entropy']:.4f} nats; "
+              f"the model is {gap:.3f} nats below it")
+    return 0
+
+
+def unigram_entropy(data, vocab_size: int) -> float:
+    """Entropy (nats) of the token frequencies of the validation documents (data.valid, else the
+    valid share of data.train): the loss of the best context-free model of those very tokens."""
+    import numpy as np
+
+    from data_tools.indexed import IndexedDataset
+    from pretrain.data.packed import split_document_ranges
+
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for prefix in data.valid or data.train:
+        ds = IndexedDataset(prefix)
+        lo, hi = 0, ds.num_documents
+        if not data.valid:
+            lo, hi = split_document_ranges(data.resolved_split(), ds.num_documents)[1]
+        starts, lengths = ds.document_token_bounds()
+        if hi > lo:
+            counts += np.bincount(ds.tokens[starts[lo] : starts[hi - 1] + lengths[hi - 1]], minlength=vocab_size)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _generate(args) -> int:
+    from pretrain.generate import generate, load_for_inference
+
+    model, spec, cfg, tok = load_for_inference(args.path)
+    if tok is None:
+        raise ValueError(f"no tokenizer was saved with {args.path}; generation needs one (data.tokenizer)")
+    prompt = tok.encode(args.prompt) if args.prompt else []
+    if not prompt:
+        prompt = [tok.special_ids().get("bos") or tok.eod_id]
+    outs = generate(model, spec, [prompt] * args.num_samples, args.max_tokens, args.temperature, args.top_k,
+                    args.top_p, args.seed, eos_id=tok.eod_id)
+    for k, ids in enumerate(outs):
+        if args.num_samples > 1:
+            print(f"--- sample {k}")
+        print(args.prompt + tok.decode(ids))
+    return 0
+
+
+def _plot(args) -> int:
+    import os
+
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("pretrain plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pretrain.metrics import read_metrics
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run in args.runs:
+        records = read_metrics(run)
+        label = os.path.basename(os.path.normpath(run))
+        train = [r for r in records if "loss" in r]
+        ax.plot([r[args.x] for r in train], [r["loss"] for r in train], label=f"{label} train")
+        val = [r for r in records if "val_loss" in r]
+        if val:
+            ax.plot([r[args.x] for r in val], [r["val_loss"] for r in val], "o--", label=f"{label} valid")
+    ax.set_xlabel(args.x)
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(args.output, dpi=120, bbox_inches="tight")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Typed run configuration: dataclasses per concern, YAML files, dotted overrides, one validate().
+
+    cfg = load_config("baseline/tiny", ["optim.lr=1e-3", "train.max_steps=200"])
+
+The YAML's `model.arch` selects the architecture's config class from the registry; OmegaConf merges
+the file and the overrides onto the typed schema, so an unknown key or a wrong type is an error
+naming the key. `validate()` refuses impossible or unsupported settings with one sentence naming the
+field, before any model, dataset or process group exists.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+from pretrain.optim import OptimConfig, ScheduleConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, in one sentence that names the field."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    sp: bool = False  # sequence parallelism (with tp > 1)
+    zero_stage: int = 0  # DeepSpeed ZeRO stage; 0 = plain data parallel
+
+    def validate(self) -> None:
+        for name in ("tp", "pp"):
+            if getattr(self, name) != 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not supported yet (only 1); "
+                                  "tensor and pipeline parallelism arrive with the parallelism issue")
+        if self.sp:
+            raise ConfigError("parallel.sp=true needs parallel.tp > 1, which is not supported yet")
+        if self.zero_stage != 0:
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage} is not supported yet (only 0)")
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=list)  # .bin/.idx prefixes; several make a blend
+    train_weights: list[float] = field(default_factory=list)  # blend weights; empty = by token count
+    valid: list[str] = field(default_factory=list)  # validation prefixes; empty = a split of `train`
+    split: str = ""  # train,valid,test shares of `train`; "" = "949,50,1", or "1,0,0" with `valid`
+    seq_len: int = 256  # tokens per training sequence
+    seed: int = 1234  # data order seed (sample order is a pure function of it and the data config)
+    tokenizer: str = ""  # sentencepiece .model or tokenizer.json; copied into the run directory
+    reset_positions: bool = False  # RoPE positions restart at each document of a packed sample
+    mask_cross_document: bool = True  # no loss on targets that start a new document
+    num_workers: int = 1  # DataLoader worker processes (0 = in the training process)
+    cache_dir: str = ""  # index cache; "" = beside each dataset
+
+    def resolved_split(self) -> str:
+        return self.split or ("1,0,0" if self.valid else "949,50,1")
+
+    def validate(self) -> None:
+        if not self.train:
+            raise ConfigError("data.train is empty; give one or more .bin/.idx prefixes "
+                              "(make them with `pretrain-data preprocess`)")
+        if self.train_weights and len(self.train_weights) != len(self.train):
+            raise ConfigError(f"data.train_weights has {len(self.train_weights)} entries for "
+                              f"{len(self.train)} data.train prefixes")
+        if self.seq_len < 1:
+            raise ConfigError(f"data.seq_len must be positive, got {self.seq_len}")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
+        for prefix in self.train + self.valid:
+            if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):
+                raise ConfigError(f"data: dataset {prefix!r} not found (expected {prefix}.bin and {prefix}.idx)")
+        if self.tokenizer and not os.path.isfile(self.tokenizer):
+            raise ConfigError(f"data.tokenizer {self.tokenizer!r} does not exist")
+
+
+@dataclass
+class TrainConfig:
+    name: str = "run"
+    run_dir: str = "runs/${train.name}"  # checkpoints, resolved config, metrics.jsonl
+    max_steps: int = 1000  # optimizer steps
+    global_batch_seqs: int = 8  # sequences per optimizer step (x data.seq_len tokens)
+    micro_batch_seqs: int = 8  # sequences per forward/backward; the rest is gradient accumulation
+    seed: int = 0  # initialisation and dropout seed
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False  # torch.compile the model
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    log_every: int = 10  # steps between progress lines and metrics.jsonl records
+    eval_every: int = 200  # steps between validation passes; 0 = only at the end
+    eval_batches: int = 20  # micro batches per validation pass
+    nan_policy: str = "stop"  # stop | skip: what a non-finite loss does
+
+    def validate(self) -> None:
+        for name in ("max_steps", "global_batch_seqs", "micro_batch_seqs", "log_every", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if self.global_batch_seqs % self.micro_batch_seqs:
+            raise ConfigError(f"train.global_batch_seqs {self.global_batch_seqs} is not divisible by "
+                              f"train.micro_batch_seqs {self.micro_batch_seqs}")
+        if self.eval_every < 0:
+            raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")
+        choices = {"precision": ("auto", "fp32", "bf16"), "device": ("auto", "cpu", "cuda"),
+                   "nan_policy": ("stop", "skip")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2  # newest checkpoints kept
+    keep_every: int = 0  # also keep every step that is a multiple of this (milestones); 0 = none
+    resume: bool = True  # continue from the run directory's latest checkpoint when there is one
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep_every < 0:
+            raise ConfigError("checkpoint.every and checkpoint.keep_every must be >= 0")
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last must be at least 1, got {self.keep_last}")
+
+
+@dataclass
+class LogConfig:
+    wandb: bool = False  # log to Weights & Biases (offline mode unless WANDB_MODE says otherwise)
+    wandb_project: str = "recurrent-pretrain"
+    peak_tflops: float = 0.0  # device peak for MFU; 0 = probe (CPU) or the table of known GPUs
+
+    def validate(self) -> None:
+        if self.peak_tflops < 0:
+            raise ConfigError(f"log.peak_tflops must be >= 0, got {self.peak_tflops}")
+
+
+@dataclass
+class RunConfig:
+    model: Any = None  # the architecture's config dataclass (BaselineConfig, ...)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def validate(self, check_data: bool = True) -> "RunConfig":
+        self.model.validate()
+        self.parallel.validate()
+        if check_data:
+            self.data.validate()
+        self.optim.validate()
+        self.schedule.validate(self.train.max_steps)
+        self.train.validate()
+        self.checkpoint.validate()
+        self.log.validate()
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len {self.data.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_seqs * self.data.seq_len
+
+
+def config_path(source: str) -> str:
+    """A YAML path, or a short name like "baseline/tiny" of a config shipped with the package."""
+    if os.path.isfile(source):
+        return source
+    name = source if source.endswith((".yaml", ".yml")) else source + ".yaml"
+    shipped = resources.files("configs").joinpath(name)
+    if shipped.is_file():
+        return str(shipped)
+    raise ConfigError(f"config {source!r} is neither a file nor a shipped config; shipped: {', '.join(shipped_configs())}")
+
+
+def shipped_configs() -> list[str]:
+    root = resources.files("configs")
+    out = []
+    for group in sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("_")):
+        out += [f"{group}/{f.name[:-5]}" for f in sorted(root.joinpath(group).iterdir(), key=lambda f: f.name)
+                if f.name.endswith(".yaml")]
+    return out
+
+
+def load_config(source: str, overrides: list[str] | tuple = (), check_data: bool = True) -> RunConfig:
+    """Load, merge overrides (`section.key=value`), type-check and validate a run config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from pretrain.models import get_arch
+
+    path = config_path(source)
+    try:
+        raw = OmegaConf.load(path)
+        cli = OmegaConf.from_dotlist(list(overrides))
+    except Exception as e:  # yaml errors and bad dotlists alike
+        raise ConfigError(f"cannot read config {path}: {_one_line(e)}") from None
+    if not OmegaConf.is_dict(raw):
+        raise ConfigError(f"config {path} must be a mapping of sections (model, data, train, ...)")
+    arch = OmegaConf.select(cli, "model.arch") or OmegaConf.select(raw, "model.arch") or "baseline"
+    spec = get_arch(str(arch))
+    schema = OmegaConf.structured(RunConfig(model=spec.config_cls()))
+    try:
+        merged = OmegaConf.merge(schema, raw, cli)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config {path}: {_one_line(e)}") from None
+    return cfg.validate(check_data=check_data)
+
+
+def config_from_dict(d: dict, check_data: bool = False) -> RunConfig:
+    """Rebuild a RunConfig from `to_dict()` output (as stored in checkpoints)."""
+    from omegaconf import OmegaConf
+
+    from pretrain.models import get_arch
+
+    spec = get_arch(d.get("model", {}).get("arch", "baseline"))
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig(model=spec.config_cls())), d)
+    return OmegaConf.to_object(merged).validate(check_data=check_data)
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _one_line(e: Exception) -> str:
+    # OmegaConf messages carry a multi-line "full_key: ... object_type=..." trailer; keep the gist.
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    msg = lines[0] if lines else type(e).__name__
+    key = getattr(e, "full_key", None)
+    return f"{msg} (at {key})" if key and str(key) not in msg else msg
+
+

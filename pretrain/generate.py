@@ -1,0 +1,86 @@
+"""Sampling from a trained model through its architecture's streaming decode (new_state / step).
+
+Only the registry's `new_state` and `step` are used, so every architecture generates the same way,
+and the cached decode is the function its parallel forward computes (tests hold them equal).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+
+def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) -> Tensor:
+    """Scaled logits with everything outside the top-k and the top-p nucleus set to -inf."""
+    logits = logits.float() / max(temperature, 1e-6)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass (the first
+        # token is always kept).
+        drop_sorted = probs.cumsum(-1) - probs > top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature: float = 1.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> list[list[int]]:
+    """Continue each prompt (equal lengths) by up to max_tokens tokens; temperature 0 is greedy."""
+    if not prompt or not prompt[0]:
+        raise ValueError("generation needs a non-empty prompt")
+    device = next(model.parameters()).device
+    tokens = torch.tensor(prompt, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = spec.new_state(model, tokens.shape[0])
+    logits, state = spec.step(model, tokens, state)
+    out = [[] for _ in prompt]
+    done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
+    for _ in range(max_tokens):
+        last = logits[:, -1]
+        if temperature == 0:
+            nxt = last.argmax(-1)
+        else:
+            probs = filter_logits(last, temperature, top_k, top_p).softmax(-1)
+            nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+        for row, tok in enumerate(nxt.tolist()):
+            if not done[row]:
+                out[row].append(tok)
+        if eos_id is not None:
+            done |= nxt == eos_id
+            if bool(done.all()):
+                break
+        logits, state = spec.step(model, nxt[:, None], state)
+    return out
+
+
+def load_for_inference(path: str, device: str = "cpu"):
+    """(model, spec, config, tokenizer or None) from a run directory or a checkpoint directory."""
+    from data_tools.tokenizer import load_tokenizer
+    from pretrain.checkpoint import latest_checkpoint, load_checkpoint, read_meta
+    from pretrain.config import config_from_dict
+    from pretrain.models import get_arch
+
+    ckpt = path
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise ValueError(f"{path} is neither a checkpoint nor a run directory with a complete checkpoint")
+    meta = read_meta(ckpt)
+    cfg = config_from_dict(meta["config"])
+    spec = get_arch(cfg.model.arch)
+    with torch.device(device):  # initialised, then overwritten by the checkpoint's weights
+        model = spec.build(cfg.model)
+    load_checkpoint(ckpt, model, optimizer=None, restore_rng=False, expect_arch=cfg.model.arch)
+    model.eval()
+    tokenizer = None
+    if meta.get("tokenizer"):
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+        tok_path = os.path.join(run_dir, "tokenizer", meta["tokenizer"])
+        if os.path.isfile(tok_path):
+            tokenizer = load_tokenizer(tok_path)
+    return model, spec, cfg, tokenizer

@@ -1,0 +1,119 @@
+"""Transformer++ baseline: exact parameter counts, streaming decode equal to the parallel forward,
+document masking, and the loss."""
+import pytest
+import torch
+
+from pretrain.data import collate
+from pretrain.models import count_parameters, get_arch
+
+SPEC = get_arch("baseline")
+SPS_SCALES = {  # spec-001 Table 1: (d, layers, heads) -> parameters with vocab 50,304, tied
+    "XS": ((512, 8, 8), 53_027_328),
+    "S": ((768, 12, 12), 130_665_216),
+    "M": ((1024, 24, 16), 378_717_184),
+    "L": ((1280, 36, 20), 831_253_760),
+    "XL": ((1600, 48, 25), 1_678_081_600),
+}
+
+
+def tiny(**kw):
+    base = dict(vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
+    return SPEC.config_cls(**{**base, **kw})
+
+
+@pytest.mark.parametrize("scale", list(SPS_SCALES))
+def test_parameter_counts_match_the_sps_paper(scale):
+    (d, L, H), expected = SPS_SCALES[scale]
+    cfg = SPEC.config_cls(vocab_size=50304, d_model=d, n_layers=L, n_heads=H)
+    with torch.device("meta"):
+        model = SPEC.build(cfg)
+    assert sum(p.numel() for p in model.parameters()) == expected
+    counts = count_parameters(model)
+    assert counts["total"] == expected == counts["embedding"] + counts["non_embedding"]
+    assert counts["embedding"] == 50304 * d
+    assert counts["non_embedding"] == L * (13 * d * d + 2 * d) + d  # spec-001's closed form
+
+
+def test_untied_head_counts_as_embedding():
+    cfg = tiny(tie_embeddings=False)
+    counts = count_parameters(SPEC.build(cfg))
+    assert counts["embedding"] == 2 * 97 * 32
+    assert counts["total"] == counts["embedding"] + count_parameters(SPEC.build(tiny()))["non_embedding"]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_cached_decode_equals_full_forward(dtype, tol):
+    torch.manual_seed(0)
+    model = SPEC.build(tiny()).to(dtype).eval()
+    tokens = torch.randint(0, 97, (3, 19))
+    with torch.no_grad():
+        positions = torch.arange(19).expand(3, 19)
+        full = model.head.logits(model.hidden(tokens, positions))
+        state = SPEC.new_state(model, 3)
+        pieces = [SPEC.step(model, tokens[:, :7], state)[0]]  # a prompt, then one token at a time
+        for t in range(7, 19):
+            pieces.append(SPEC.step(model, tokens[:, t : t + 1], state)[0])
+    streamed = torch.cat(pieces, dim=1)
+    assert streamed.shape == full.shape
+    torch.testing.assert_close(streamed.double(), full.double(), rtol=0, atol=tol)
+
+
+def test_document_mask_isolates_documents():
+    torch.manual_seed(1)
+    model = SPEC.build(tiny(document_mask=True)).double().eval()
+    a, b = torch.randint(3, 97, (1, 9)), torch.randint(3, 97, (1, 8))
+    tokens = torch.cat([a, b], dim=1)
+    doc_ids = torch.tensor([[0] * 9 + [1] * 8])
+    positions = torch.cat([torch.arange(9), torch.arange(8)])[None]
+    with torch.no_grad():
+        packed = model.hidden(tokens, positions, doc_ids)
+        alone = model.hidden(b, torch.arange(8)[None])
+        unmasked = model.hidden(tokens, positions)
+    torch.testing.assert_close(packed[:, 9:], alone, rtol=0, atol=1e-12)
+    assert not torch.allclose(unmasked[:, 9:], alone)
+
+
+def test_loss_is_masked_mean_cross_entropy():
+    torch.manual_seed(2)
+    model = SPEC.build(tiny()).double()
+    samples = torch.randint(3, 97, (2, 12)).numpy()
+    samples[0, 5] = 2  # an EOD inside the first sample
+    doc_ids = (samples == 2).cumsum(1) - (samples == 2)
+    batch = collate((samples, doc_ids.astype("int32")), eod_id=2)
+    loss, diagnostics = model(batch)
+    logits = model.head.logits(model.hidden(batch.tokens, batch.positions))
+    per_token = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="none")
+    mask = batch.loss_mask.flatten()
+    assert mask.sum() == 21  # 22 targets, one after the EOD masked
+    torch.testing.assert_close(loss, per_token[mask].mean())
+    assert diagnostics == {}
+
+
+def test_bf16_forward_and_backward_run_on_cpu():
+    torch.manual_seed(3)
+    model = SPEC.build(tiny())
+    samples = torch.randint(3, 97, (2, 17)).numpy()
+    batch = collate((samples, torch.zeros(2, 17, dtype=torch.int32).numpy()), eod_id=None)
+    ref, _ = model(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = model(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 0.05
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [(dict(d_model=30), "not divisible by model.n_heads"), (dict(n_layers=0), "model.n_layers must be positive"),
+     (dict(d_model=36, n_heads=12), "must be even for RoPE")],
+)
+def test_bad_model_config_is_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**kw).validate()
+
+
+def test_generation_past_max_seq_len_is_refused():
+    model = SPEC.build(tiny(max_seq_len=8)).eval()
+    state = SPEC.new_state(model, 1)
+    with torch.no_grad(), pytest.raises(ValueError, match="exceed model.max_seq_len 8"):
+        SPEC.step(model, torch.zeros(1, 9, dtype=torch.long), state)

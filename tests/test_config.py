@@ -1,0 +1,87 @@
+"""Run configs: shipped YAMLs load by short name, overrides are typed, validate() speaks one sentence."""
+import subprocess
+import sys
+
+import pytest
+
+from pretrain.config import ConfigError, config_from_dict, load_config, shipped_configs, to_yaml
+
+
+def test_shipped_configs_load_by_short_name():
+    names = shipped_configs()
+    assert {"baseline/tiny", "baseline/xs", "baseline/s", "baseline/m", "baseline/l", "baseline/xl"} <= set(names)
+    for name in names:
+        cfg = load_config(name, ["data.train=[x]"], check_data=False)
+        assert cfg.model.arch == "baseline"
+    xs = load_config("baseline/xs", check_data=False)
+    assert (xs.model.d_model, xs.model.n_layers, xs.model.n_heads) == (512, 8, 8)
+    assert xs.tokens_per_step == 96 * 4096
+    assert xs.train.run_dir == "runs/baseline-xs"  # interpolation resolved
+
+
+def test_overrides_are_typed_and_round_trip():
+    cfg = load_config("baseline/tiny", ["optim.lr=1e-3", "train.max_steps=70", "model.document_mask=true"],
+                      check_data=False)
+    assert cfg.optim.lr == 1e-3 and cfg.train.max_steps == 70 and cfg.model.document_mask is True
+    again = config_from_dict(cfg.to_dict())
+    assert again == cfg
+    assert "max_steps: 70" in to_yaml(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.lrr=1"], r"Key 'lrr' not in 'OptimConfig'.*\(at optim.lrr\)"),
+        (["train.max_steps=many"], r"could not be converted to Integer \(at train.max_steps\)"),
+        (["model.d_model=30"], "model.d_model 30 is not divisible by model.n_heads"),
+        (["train.micro_batch_seqs=3"], "train.global_batch_seqs 16 is not divisible by train.micro_batch_seqs 3"),
+        (["parallel.tp=2"], "parallel.tp=2 is not supported yet"),
+        (["model.arch=nope"], "model.arch 'nope' is not a known architecture"),
+        (["data.seq_len=512"], "data.seq_len 512 exceeds model.max_seq_len 256"),
+        (["optim.min_lr=1.0"], "optim.min_lr must be between 0 and optim.lr"),
+        (["schedule.kind=linear"], "schedule.kind must be one of"),
+        (["train.precision=fp8"], "train.precision must be one of auto, fp32, bf16"),
+        (["data.train=[]"], "data.train is empty"),
+        (["data.train=[nowhere/x]"], "dataset 'nowhere/x' not found"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_sentence(overrides, message):
+    check = any(o.startswith("data.train") for o in overrides)
+    with pytest.raises(ValueError, match=message) as e:
+        load_config("baseline/tiny", overrides, check_data=check)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="neither a file nor a shipped config; shipped: baseline/"):
+        load_config("baseline/huge")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(str(bad))
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    with pytest.raises(ConfigError, match="cannot read config .*Invalid loaded object type"):
+        load_config(str(scalar))
+
+
+def test_cli_info_json_and_help():
+    out = subprocess.run([sys.executable, "-m", "pretrain.cli", "info", "baseline/xs", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    import json
+
+    info = json.loads(out)
+    assert info == {"params_total": 53_027_328, "params_embedding": 50304 * 512,
+                    "params_non_embedding": 53_027_328 - 50304 * 512,
+                    "flops_per_token": 6.0 * (8 * 13 * 512 * 512 + 50304 * 512) + 12.0 * 8 * 512 * 4096}
+    help_text = subprocess.run([sys.executable, "-m", "pretrain.cli", "info", "--help"],
+                               capture_output=True, text=True, check=True).stdout
+    assert "6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T" in help_text
+    bad = subprocess.run([sys.executable, "-m", "pretrain.cli", "info", "baseline/xs", "optim.lrr=1"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "optim.lrr" in bad.stderr
+
+
+def test_cli_help_does_not_import_torch():
+    code = "import sys; from pretrain.cli import _parser; _parser(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -1,0 +1,272 @@
+"""Learning-rate schedules, config validation, parameter groups, AdamW construction and clipping."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pretrain import optim as optim_mod
+from pretrain.optim import (
+    OptimConfig,
+    ScheduleConfig,
+    build_optimizer,
+    clip_grad_norm,
+    fused_unsupported_reason,
+    lr_at,
+    param_groups,
+    set_lr,
+)
+
+OPT = OptimConfig(lr=1e-3, min_lr=1e-4)
+
+
+def schedule(kind, total, warmup=10, decay_fraction=0.1):
+    cfg = ScheduleConfig(kind=kind, warmup_steps=warmup, decay_fraction=decay_fraction)
+    cfg.validate(total)
+    return [lr_at(s, total, OPT, cfg) for s in range(total)]
+
+
+@pytest.mark.parametrize("kind", ["wsd", "cosine", "constant"])
+def test_warmup_starts_nonzero_and_is_linear(kind):
+    lrs = schedule(kind, 100, warmup=10)
+    assert lrs[0] == pytest.approx(OPT.lr / 10) and lrs[0] > 0
+    assert lrs[:10] == pytest.approx([OPT.lr * (s + 1) / 10 for s in range(10)])
+    assert lrs[9] == OPT.lr and lrs[10] == OPT.lr  # warmup ends exactly at lr, the next step starts there
+
+
+def test_wsd_plateau_then_linear_decay_to_min_lr_at_the_last_step():
+    lrs = schedule("wsd", 100, warmup=10, decay_fraction=0.2)  # decay over steps 80..99
+    assert all(lr == OPT.lr for lr in lrs[9:80])
+    decay = lrs[80:]
+    assert decay[0] < OPT.lr
+    assert decay[-1] == OPT.min_lr  # exactly, not approximately
+    diffs = [a - b for a, b in zip(decay, decay[1:])]
+    assert diffs == pytest.approx([(OPT.lr - OPT.min_lr) / 20] * 19)  # linear
+    assert lr_at(150, 100, OPT, ScheduleConfig("wsd", 10, 0.2)) == OPT.min_lr  # past the end: stays
+
+
+def test_wsd_decay_never_overlaps_warmup():
+    lrs = schedule("wsd", 20, warmup=15, decay_fraction=1.0)
+    assert lrs[14] == OPT.lr
+    assert all(a > b for a, b in zip(lrs[14:], lrs[15:])) and lrs[-1] == OPT.min_lr
+
+
+def test_cosine_monotone_after_warmup_and_ends_at_min_lr():
+    lrs = schedule("cosine", 100, warmup=10)
+    after = lrs[10:]
+    assert after[0] == OPT.lr and after[-1] == OPT.min_lr
+    assert all(a >= b for a, b in zip(after, after[1:]))
+    assert lrs[10 + 89 // 2] == pytest.approx((OPT.lr + OPT.min_lr) / 2, rel=0.02)  # halfway point
+    assert schedule("cosine", 11, warmup=10)[-1] == OPT.min_lr  # a single post-warmup step
+
+
+def test_constant_and_no_warmup():
+    assert schedule("constant", 50, warmup=5)[5:] == [OPT.lr] * 45
+    assert schedule("constant", 5, warmup=0) == [OPT.lr] * 5
+    assert schedule("cosine", 5, warmup=0)[0] == OPT.lr
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["wsd", "cosine", "constant"]),
+    total=st.integers(1, 400),
+    warmup_frac=st.floats(0, 0.99),
+    decay_fraction=st.floats(0.01, 1.0),
+)
+def test_schedule_properties(kind, total, warmup_frac, decay_fraction):
+    warmup = int(warmup_frac * total)
+    lrs = schedule(kind, total, warmup, decay_fraction)
+    assert all(0 < lr <= OPT.lr for lr in lrs)
+    assert all(a <= b for a, b in zip(lrs[:warmup], lrs[1:warmup]))  # warmup rises
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :]))  # then never rises
+    if kind != "constant" and warmup < total:
+        assert lrs[-1] == OPT.min_lr
+
+
+def test_resumed_schedule_equals_uninterrupted_and_set_lr_reaches_every_group():
+    cfg, total = ScheduleConfig("wsd", 10, 0.3), 60
+    uninterrupted = [lr_at(s, total, OPT, cfg) for s in range(total)]
+    resumed = [lr_at(s, total, OPT, ScheduleConfig("wsd", 10, 0.3)) for s in range(37, total)]
+    assert resumed == uninterrupted[37:]
+
+    opt = build_optimizer(TiedModel(), OPT)
+    assert len(opt.param_groups) == 2
+    set_lr(opt, resumed[0])
+    assert [g["lr"] for g in opt.param_groups] == [uninterrupted[37]] * 2
+
+
+def test_set_lr_keeps_a_tensor_lr_in_place():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([p], lr=torch.tensor(1e-3))
+    lr_tensor = opt.param_groups[0]["lr"]
+    set_lr(opt, 5e-4)
+    assert opt.param_groups[0]["lr"] is lr_tensor and lr_tensor.item() == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"lr": -1.0}, "lr"),
+        ({"lr": 0.0}, "lr"),
+        ({"lr": math.nan}, "lr"),
+        ({"min_lr": 1.0}, "min_lr"),  # above lr
+        ({"min_lr": -1e-5}, "min_lr"),
+        ({"beta1": 1.0}, "beta1"),
+        ({"beta2": -0.1}, "beta2"),
+        ({"eps": 0.0}, "eps"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"grad_clip": -1.0}, "grad_clip"),
+        ({"fused": "yes"}, "fused"),
+    ],
+)
+def test_optim_validation_names_the_field_in_one_line(changes, field):
+    with pytest.raises(ValueError) as err:
+        OptimConfig(**changes).validate()
+    msg = str(err.value)
+    assert msg.startswith(f"optim.{field} ") and "\n" not in msg
+    assert repr(next(iter(changes.values()))) in msg or str(next(iter(changes.values()))) in msg
+
+
+@pytest.mark.parametrize(
+    "changes, total, field",
+    [
+        ({"kind": "linear"}, 100, "kind"),
+        ({"warmup_steps": -1}, 100, "warmup_steps"),
+        ({"warmup_steps": 100}, 100, "warmup_steps"),
+        ({"warmup_steps": 2.5}, 100, "warmup_steps"),
+        ({"decay_fraction": 0.0}, 1000, "decay_fraction"),
+        ({"decay_fraction": 1.5}, 1000, "decay_fraction"),
+    ],
+)
+def test_schedule_validation_names_the_field_in_one_line(changes, total, field):
+    with pytest.raises(ValueError) as err:
+        ScheduleConfig(**changes).validate(total)
+    msg = str(err.value)
+    assert msg.startswith(f"schedule.{field} ") and "\n" not in msg
+
+
+def test_unknown_kind_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="'wsd', 'cosine', 'constant', got 'linear'"):
+        ScheduleConfig(kind="linear").validate(100)
+    with pytest.raises(ValueError, match="schedule.kind"):
+        lr_at(50, 100, OPT, ScheduleConfig(kind="linear", warmup_steps=0))
+    OptimConfig().validate()
+    ScheduleConfig().validate(1000)
+
+
+class TiedModel(torch.nn.Module):
+    """An embedding tied to the output head, a bias-free Linear, a biased Linear, a norm, a frozen buffer-like param."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 4)
+        self.proj = torch.nn.Linear(4, 4, bias=False)
+        self.mix = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4, bias=False)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.embed.weight
+        self.frozen = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.mix(self.proj(self.embed(ids)))))
+
+
+def test_param_groups_split_matrices_and_vectors_each_once():
+    model = TiedModel()
+    decay, no_decay = param_groups(model, 0.1)
+    assert set(decay) == {"params", "weight_decay"} and decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0
+    ids = lambda ps: [id(p) for p in ps]  # noqa: E731 (tensors compare elementwise, so compare ids)
+    assert ids(decay["params"]) == ids([model.embed.weight, model.proj.weight, model.mix.weight])
+    assert ids(no_decay["params"]) == ids([model.mix.bias, model.norm.weight])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sorted(ids(decay["params"] + no_decay["params"])) == sorted(ids(trainable))
+    assert len(set(ids(decay["params"] + no_decay["params"]))) == len(trainable)
+
+
+def test_param_groups_refuses_a_fully_frozen_model():
+    model = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        param_groups(model, 0.1)
+
+
+def train_step(fused):
+    torch.manual_seed(0)
+    model = TiedModel()
+    opt = build_optimizer(model, OptimConfig(fused=fused))
+    before = model.embed.weight.detach().clone()
+    model(torch.tensor([[1, 2, 3]])).logsumexp(-1).sum().backward()
+    clip_grad_norm(model.parameters(), 1.0)
+    opt.step()
+    assert not torch.equal(before, model.embed.weight)
+    return opt, model
+
+
+def test_build_optimizer_auto_picks_fused_on_cpu_when_available():
+    opt, _ = train_step(None)
+    expect_fused = fused_unsupported_reason([torch.zeros(1)]) is None
+    assert all(g["fused"] is expect_fused for g in opt.param_groups)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95) and opt.param_groups[0]["eps"] == 1e-8
+
+
+def test_build_optimizer_fused_true_matches_foreach():
+    reason = fused_unsupported_reason([torch.zeros(1)])
+    if reason is not None:
+        pytest.skip(f"fused=True needs the missing capability: {reason}")
+    fused_opt, fused_model = train_step(True)
+    foreach_opt, foreach_model = train_step(False)
+    assert fused_opt.param_groups[0]["fused"] and foreach_opt.param_groups[0]["foreach"]
+    for a, b in zip(fused_model.parameters(), foreach_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_fused_falls_back_or_refuses_without_kernels(monkeypatch):
+    monkeypatch.setattr(optim_mod, "_fused_devices", lambda: frozenset({"cuda"}))
+    opt = build_optimizer(TiedModel(), OptimConfig(fused=None))
+    assert not opt.param_groups[0]["fused"] and opt.param_groups[0]["foreach"]
+    with pytest.raises(ValueError, match=r"^optim\.fused=true cannot be honoured: .*no fused AdamW kernel for cpu"):
+        build_optimizer(TiedModel(), OptimConfig(fused=True))
+
+
+def with_grads(*shapes, scale=1.0, dtype=torch.float32):
+    torch.manual_seed(1)
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, dtype=dtype) * scale
+    return params
+
+
+def manual_norm(params):
+    return math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params if p.grad is not None))
+
+
+def test_clip_grad_norm_reports_the_norm_and_clips():
+    params = with_grads((3, 4), (5,), (2, 2), scale=10.0)
+    params.append(torch.nn.Parameter(torch.ones(3)))  # no grad: ignored
+    expected = manual_norm(params)
+    assert expected > 1.0
+    norm = clip_grad_norm(params, 1.0)
+    assert norm.dtype == torch.float32 and norm.item() == pytest.approx(expected, rel=1e-6)
+    assert manual_norm(params) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_clip_grad_norm_leaves_small_or_unclipped_grads_alone():
+    params = with_grads((3, 4), (5,), scale=0.01)
+    grads = [p.grad.clone() for p in params]
+    assert clip_grad_norm(params, 1.0).item() == pytest.approx(manual_norm(params), rel=1e-6)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+
+    params = with_grads((3, 4), (5,), scale=10.0)
+    grads = [p.grad.clone() for p in params]
+    norm = clip_grad_norm(params, 0.0)  # 0 disables clipping but still measures
+    assert norm.item() == pytest.approx(manual_norm(params), rel=1e-6)
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
+
+
+def test_clip_grad_norm_edge_cases():
+    norm = clip_grad_norm(with_grads((8,), dtype=torch.bfloat16), 0.0)
+    assert norm.dtype == torch.float32
+    assert clip_grad_norm([torch.nn.Parameter(torch.ones(2))], 1.0).item() == 0.0
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm(with_grads((2,)), -1.0)

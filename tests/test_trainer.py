@@ -1,0 +1,127 @@
+"""The training loop end to end on CPU: golden loss curve, exact resume after SIGKILL, metrics,
+evaluation, generation, and what bad input does."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pretrain.config import load_config
+from pretrain.metrics import read_metrics
+from pretrain.trainer import Trainer
+from trainer_helpers import tiny_overrides, write_markov_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The first 20 training losses of the tiny run of `tiny_overrides` (fp32, 1 thread, compile off).
+# Exact equality holds on the machine that recorded them; another CPU may pick other SIMD kernels
+# for the same matmuls, so the comparison allows 1e-6 relative.
+GOLDEN = [4.179417610168457, 4.166970252990723, 4.130303382873535, 4.098328590393066, 4.037482738494873,
+          4.0070977210998535, 3.9615492820739746, 3.9467568397521973, 3.8968305587768555, 3.8593454360961914,
+          3.8271636962890625, 3.822129249572754, 3.7644906044006348, 3.7691688537597656, 3.7407455444335938,
+          3.71684193611145, 3.648621082305908, 3.6696548461914062, 3.6341004371643066, 3.5971436500549316]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(str(run_dir))}
+
+
+def test_golden_loss_curve(tmp_path, corpus):
+    threads = torch.get_num_threads()
+    try:
+        record = Trainer(load_config("baseline/tiny", tiny_overrides(tmp_path, corpus)), log=lambda *_: None).fit()
+    finally:
+        torch.set_num_threads(threads)
+    got = [losses(tmp_path / "run")[s] for s in range(1, 21)]
+    assert got == pytest.approx(GOLDEN, rel=1e-6)
+    assert record["step"] == 20 and record["val_loss"] < got[0]
+
+
+def test_metrics_records_have_the_stable_keys(tmp_path, corpus):
+    Trainer(load_config("baseline/tiny", tiny_overrides(tmp_path, corpus, **{"train.log_every": 4})),
+            log=lambda *_: None).fit()
+    records = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [4, 8, 10, 12, 16, 20]  # log steps plus evaluation steps
+    for r in records:
+        assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "mfu", "time_split", "eta_s"} <= set(r)
+    assert [("val_loss" in r) for r in records] == [False, False, True, False, False, True]
+    assert os.path.isfile(tmp_path / "run" / "config.yaml")
+
+
+def test_sigkill_and_resume_is_bit_identical(tmp_path, corpus):
+    base = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 40, "schedule.warmup_steps": 5,
+                                               "model.d_model": 64, "data.seq_len": 64})
+    whole = [o.replace(str(tmp_path / "run"), str(tmp_path / "whole")) for o in base]
+    assert run_cli("train", "baseline/tiny", *whole).returncode == 0
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", "baseline/tiny", *base], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill it between the second and the third checkpoint
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 12:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(metrics.read_text().splitlines())
+    assert 12 <= killed_at < 40, "the run must be killed in the middle"
+
+    resumed = run_cli("train", "baseline/tiny", *base)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    want, got = losses(tmp_path / "whole"), losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 41))
+    assert got == want  # every step, before and after the kill, bit for bit
+
+
+def test_generate_and_eval_from_the_run(tmp_path, corpus):
+    Trainer(load_config("baseline/tiny", tiny_overrides(tmp_path, corpus)), log=lambda *_: None).fit()
+    out = run_cli("eval", str(tmp_path / "run"), "--json", "--unigram-entropy")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["val_loss"] > 0 and result["unigram_entropy"] > 0
+    gen = run_cli("generate", str(tmp_path / "run"), "--prompt", "x")
+    assert gen.returncode == 2 and "no tokenizer was saved" in gen.stderr
+
+
+def test_vocabulary_overflow_is_refused(tmp_path, corpus):
+    with pytest.raises(ValueError, match="holds token id 63, beyond model.vocab_size 32"):
+        Trainer(load_config("baseline/tiny", tiny_overrides(tmp_path, corpus, **{"model.vocab_size": 32})))
+
+
+def test_nan_loss_stops_with_a_diagnostic(tmp_path, corpus):
+    cfg = load_config("baseline/tiny", tiny_overrides(tmp_path, corpus, **{"checkpoint.every": 2}))
+    trainer = Trainer(cfg, log=lambda *_: None)
+    original = trainer.model.forward
+    calls = {"n": 0}
+
+    def poisoned(batch):
+        calls["n"] += 1
+        loss, diag = original(batch)
+        return (loss * float("nan") if calls["n"] > 8 else loss), diag
+
+    trainer.forward = poisoned
+    from pretrain.trainer import NonFiniteLossError
+
+    with pytest.raises(NonFiniteLossError, match="non-finite loss nan at step 5 .* the last checkpoint is intact"):
+        trainer.fit()
+    from pretrain.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(str(tmp_path / "run")).endswith("step_00000004")

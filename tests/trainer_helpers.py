@@ -1,0 +1,34 @@
+"""Shared pieces of the trainer tests: a learnable synthetic corpus and tiny run configs."""
+import numpy as np
+
+from data_tools.indexed import IndexedWriter
+
+VOCAB = 64
+EOD = 2
+
+
+def write_markov_corpus(prefix, num_docs=300, seed=0):
+    """Documents from a sparse random Markov chain ending in EOD: context makes tokens predictable."""
+    rng = np.random.default_rng(seed)
+    successors = rng.integers(5, VOCAB, size=(VOCAB, 3))
+    with IndexedWriter(prefix, np.uint16) as w:
+        for _ in range(num_docs):
+            tok = [int(rng.integers(5, VOCAB))]
+            for _ in range(int(rng.integers(10, 120))):
+                tok.append(int(successors[tok[-1], rng.integers(0, 3)]))
+            w.add_document(np.array(tok + [EOD]))
+    return str(prefix)
+
+
+def tiny_overrides(tmp_path, prefix, **extra):
+    """Overrides turning baseline/tiny into a seconds-long CPU run on the synthetic corpus."""
+    values = {
+        "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
+        "model.max_seq_len": 64, "data.train": f"[{prefix}]", "data.valid": "[]", "data.tokenizer": "''",
+        "data.split": "90,10", "data.seq_len": 32, "data.num_workers": 0, "data.cache_dir": str(tmp_path / "cache"),
+        "train.run_dir": str(tmp_path / "run"), "train.max_steps": 20, "train.global_batch_seqs": 8,
+        "train.micro_batch_seqs": 4, "train.log_every": 1, "train.eval_every": 10, "train.eval_batches": 2,
+        "train.threads": 1, "schedule.warmup_steps": 3, "checkpoint.every": 5, "log.peak_tflops": 1.0,
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
