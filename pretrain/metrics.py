@@ -149,3 +149,27 @@ def memory_gb(device) -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
     except (OSError, ValueError):
         return 0.0
+
+
+class WandbLogger:
+    """Weights & Biases logging; offline unless WANDB_MODE says otherwise, so no network is needed
+    (upload later with `wandb sync <run_dir>/wandb/offline-run-*`)."""
+
+    def __init__(self, run_dir: str, project: str, name: str, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError("log.wandb=true needs the wandb package: pip install wandb") from None
+        import hashlib
+
+        run_id = hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:16]  # same run on resume
+        self._run = wandb.init(project=project, name=name, id=run_id, resume="allow", dir=run_dir,
+                               config=config, mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def log(self, record: dict) -> None:
+        flat = {k: v for k, v in record.items() if not isinstance(v, dict)}
+        flat.update({f"time_split/{k}": v for k, v in record.get("time_split", {}).items()})
+        self._run.log(flat, step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()

@@ -22,7 +22,7 @@ from pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpo
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_vocab, train_dataset, valid_dataset
-from pretrain.metrics import MetricsLog, device_peak_tflops, memory_gb, progress_line
+from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch
 from pretrain.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
@@ -108,11 +108,12 @@ class Trainer:
             shutil.copy2(self.cfg.data.tokenizer, os.path.join(dest, os.path.basename(self.cfg.data.tokenizer)))
 
     def _resume(self) -> None:
-        if not self.cfg.checkpoint.resume:
-            return
         path = latest_checkpoint(self.run_dir, log=self.log)
         if path is None:
             return
+        if not self.cfg.checkpoint.resume:  # starting over would delete that run's checkpoints
+            raise ValueError(f"{self.run_dir} already holds checkpoints ({os.path.basename(path)}) and "
+                             "checkpoint.resume=false; choose another train.name or train.run_dir, or delete it")
         meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True, expect_arch=self.cfg.model.arch)
         self.step, self.consumed = int(meta["step"]), int(meta["consumed_samples"])
         self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed")
@@ -147,10 +148,11 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
-        self._prepare_run_dir()
         self._resume()
+        self._prepare_run_dir()
         self._describe()
         metrics = MetricsLog(self.run_dir, resume_step=self.step)
+        wandb = WandbLogger(self.run_dir, cfg.log.wandb_project, t.name, cfg.to_dict()) if cfg.log.wandb else None
         batches = self._loader()
         n_micro = t.global_batch_seqs // t.micro_batch_seqs
         tokens_per_step = cfg.tokens_per_step
@@ -203,6 +205,8 @@ class Trainer:
                     if do_eval:
                         record.update(self.evaluate())
                     metrics.write(record)
+                    if wandb is not None:
+                        wandb.log(record)
                     self.log(progress_line(record, t.max_steps) + (
                         f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else ""))
                     window.update(loss=torch.zeros((), device=self.device), steps=0, data=0.0, forward=0.0,
@@ -217,6 +221,8 @@ class Trainer:
             raise
         finally:
             metrics.close()
+            if wandb is not None:
+                wandb.close()
         return record
 
     def _record(self, w: dict, lr: float, grad_norm, tokens_per_step: int) -> dict:

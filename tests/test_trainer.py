@@ -125,3 +125,57 @@ def test_nan_loss_stops_with_a_diagnostic(tmp_path, corpus):
     from pretrain.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path / "run")).endswith("step_00000004")
+
+
+def test_wandb_logs_offline_without_a_network(tmp_path, corpus, monkeypatch):
+    pytest.importorskip("wandb", reason="needs the wandb package (the test extra installs it)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 4, "log.wandb": "true", "checkpoint.every": 0,
+                                               "schedule.warmup_steps": 1})
+    Trainer(load_config("baseline/tiny", over), log=lambda *_: None).fit()
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_plot_writes_a_png(tmp_path, corpus):
+    pytest.importorskip("matplotlib", reason="pretrain plot needs matplotlib (the test extra installs it)")
+    Trainer(load_config("baseline/tiny", tiny_overrides(tmp_path, corpus, **{"train.max_steps": 10})),
+            log=lambda *_: None).fit()
+    out = run_cli("plot", str(tmp_path / "run"), "--output", str(tmp_path / "loss.png"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bf16_training_path_runs_on_cpu(tmp_path, corpus):
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 6, "train.precision": "bf16",
+                                               "schedule.warmup_steps": 1})
+    trainer = Trainer(load_config("baseline/tiny", over), log=lambda *_: None)
+    assert trainer.amp_dtype == torch.bfloat16
+    record = trainer.fit()
+    got = losses(tmp_path / "run")
+    assert all(v == v and v < 10 for v in got.values()) and record["val_loss"] < got[1] + 0.5
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+
+
+def test_starting_over_never_deletes_a_previous_run(tmp_path, corpus):
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 5, "schedule.warmup_steps": 1})
+    Trainer(load_config("baseline/tiny", over), log=lambda *_: None).fit()
+    before = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+    with pytest.raises(ValueError, match="already holds checkpoints .* checkpoint.resume=false"):
+        Trainer(load_config("baseline/tiny", over + ["checkpoint.resume=false"]), log=lambda *_: None).fit()
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == before
+
+
+def test_configs_ship_in_the_wheel(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 and "No module named" in out.stderr:
+        pytest.skip(f"cannot build a wheel here: {out.stderr.strip().splitlines()[-1]}")
+    assert out.returncode == 0, out.stderr
+    import zipfile
+
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "configs/baseline/tiny.yaml" in names and "configs/baseline/xl.yaml" in names
+    assert "pretrain/cli.py" in names and "kernels/attention/reference.py" in names
