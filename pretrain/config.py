@@ -144,7 +144,17 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self, check_data: bool = True) -> "RunConfig":
+        from pretrain.models import get_arch
+
         self.model.validate()
+        spec = get_arch(self.model.arch)
+        # Features whose registry field is still empty are refused by name, before anything runs.
+        if self.parallel.pp > 1 and spec.pipeline_split is None:
+            raise ConfigError(f"parallel.pp={self.parallel.pp}: model.arch {spec.name!r} has no pipeline split "
+                              "in its registry entry")
+        if not spec.supports.tp and self.parallel.tp > 1:
+            raise ConfigError(f"parallel.tp={self.parallel.tp}: model.arch {spec.name!r} does not support tensor "
+                              f"parallelism ({spec.supports.reasons.get('tp', 'see its registry entry')})")
         self.parallel.validate()
         if check_data:
             self.data.validate()

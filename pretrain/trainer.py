@@ -149,6 +149,10 @@ class Trainer:
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self._resume()
+        if self.step >= t.max_steps:
+            self.log(f"{self.run_dir} is already complete at step {self.step} (train.max_steps={t.max_steps}); "
+                     "raise train.max_steps to train further")
+            return {"step": self.step}
         self._prepare_run_dir()
         self._describe()
         metrics = MetricsLog(self.run_dir, resume_step=self.step)

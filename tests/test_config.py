@@ -36,6 +36,7 @@ def test_overrides_are_typed_and_round_trip():
         (["model.d_model=30"], "model.d_model 30 is not divisible by model.n_heads"),
         (["train.micro_batch_seqs=3"], "train.global_batch_seqs 16 is not divisible by train.micro_batch_seqs 3"),
         (["parallel.tp=2"], "parallel.tp=2 is not supported yet"),
+        (["parallel.pp=2"], "parallel.pp=2: model.arch 'baseline' has no pipeline split in its registry entry"),
         (["model.arch=nope"], "model.arch 'nope' is not a known architecture"),
         (["data.seq_len=512"], "data.seq_len 512 exceeds model.max_seq_len 256"),
         (["optim.min_lr=1.0"], "optim.min_lr must be between 0 and optim.lr"),

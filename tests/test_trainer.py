@@ -179,3 +179,27 @@ def test_configs_ship_in_the_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "configs/baseline/tiny.yaml" in names and "configs/baseline/xl.yaml" in names
     assert "pretrain/cli.py" in names and "kernels/attention/reference.py" in names
+
+
+def test_nan_policy_skip_drops_the_step_and_goes_on(tmp_path, corpus):
+    over = tiny_overrides(tmp_path, corpus, **{"train.nan_policy": "skip", "train.max_steps": 6,
+                                               "schedule.warmup_steps": 1})
+    lines = []
+    trainer = Trainer(load_config("baseline/tiny", over), log=lines.append)
+    original = trainer.model.forward
+    calls = {"n": 0}
+
+    def poisoned(batch):
+        calls["n"] += 1
+        loss, diag = original(batch)
+        return (loss * float("nan") if calls["n"] == 5 else loss), diag  # a micro batch of step 3
+
+    trainer.forward = poisoned
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    record = trainer.fit()
+    assert any("step 3: non-finite loss, step skipped" in ln for ln in lines)
+    assert record["step"] == 6 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    again = []
+    Trainer(load_config("baseline/tiny", over), log=again.append).fit()  # a finished run says so
+    assert any("already complete at step 6" in ln for ln in again)
