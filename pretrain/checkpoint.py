@@ -197,8 +197,8 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if keep_last < 1 or keep_every < 0:
         raise ValueError(f"keep_last must be >= 1 and keep_every >= 0, got {keep_last} and {keep_every}")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError("save_checkpoint is single-process for now (no rank coordination yet)")
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    leader = not multi or dist.get_rank() == 0
     for key, value in (("step", step), ("schema_version", SCHEMA_VERSION)):
         if key in meta and meta[key] != value:
             raise ValueError(f"meta[{key!r}] is {meta[key]!r} but the checkpoint's {key} is {value!r}")
@@ -216,15 +216,30 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
         groups = [{k: _encode(v) for k, v in g.items()} for g in optim_sd["param_groups"]]
         groups_text = _to_json({"param_groups": groups}, "the optimizer's param_groups")
 
-    root, name, pid = os.path.join(run_dir, "checkpoints"), f"step_{step:08d}", os.getpid()
+    # Under data parallelism every rank writes its part of one DCP checkpoint into the temp
+    # directory rank 0 names (replicated tensors are written once); rank 0 alone publishes it.
+    pid = os.getpid()
+    if multi:
+        box = [pid]
+        dist.broadcast_object_list(box, src=0)
+        pid = box[0]
+    root, name = os.path.join(run_dir, "checkpoints"), f"step_{step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{pid}")
-    if not os.path.isdir(root):
-        os.makedirs(root)
-        fsync_path(os.path.dirname(root) or ".")  # the new directory's entry in run_dir
-    shutil.rmtree(tmp, ignore_errors=True)
+    if leader:
+        if not os.path.isdir(root):
+            os.makedirs(root)
+            fsync_path(os.path.dirname(root) or ".")  # the new directory's entry in run_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+    if multi:
+        dist.barrier()
     try:
         with _dcp_call() as kw:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), **kw)
+        if multi:
+            dist.barrier()
+        if not leader:
+            dist.barrier()  # returns once rank 0 has published the checkpoint
+            return final
         if optimizer is not None:
             _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
         _write_file(os.path.join(tmp, META_FILE), meta_text)  # last: its presence marks completeness
@@ -243,11 +258,14 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
             os.rename(tmp, final)
             fsync_path(root)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
     _write_file(latest_tmp := os.path.join(root, f".{LATEST_FILE}.tmp-{pid}"), name + "\n")
     os.replace(latest_tmp, os.path.join(root, LATEST_FILE))
     fsync_path(root)
     _retain(root, step, keep_last, keep_every)
+    if multi:
+        dist.barrier()
     return final
 
 

@@ -27,6 +27,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size
     sp: bool = False  # sequence parallelism (with tp > 1)
     zero_stage: int = 0  # DeepSpeed ZeRO stage; 0 = plain data parallel
+    data_parallel: str = "ddp"  # engine over data-parallel ranks: ddp (torch DDP)
+    timeout_s: float = 600.0  # collective timeout: a stuck rank is reported after this long
 
     def validate(self) -> None:
         for name in ("tp", "pp"):
@@ -37,6 +39,10 @@ class ParallelConfig:
             raise ConfigError("parallel.sp=true needs parallel.tp > 1, which is not supported yet")
         if self.zero_stage != 0:
             raise ConfigError(f"parallel.zero_stage={self.zero_stage} is not supported yet (only 0)")
+        if self.data_parallel != "ddp":
+            raise ConfigError(f"parallel.data_parallel={self.data_parallel!r} is not supported yet (only 'ddp')")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
 
 
 @dataclass

@@ -18,6 +18,8 @@ from contextlib import nullcontext
 
 import torch
 
+from parallel.data_parallel import all_reduce_sum, no_sync, world, wrap_data_parallel
+from parallel.dist import detect_env, init_distributed, rank_logger
 from pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
@@ -57,28 +59,36 @@ def eod_id_of(data) -> int | None:
 
 @torch.no_grad()
 def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, device, autocast=nullcontext) -> dict:
-    """Token-weighted mean loss over samples [0, num_samples) of a validation dataset."""
+    """Token-weighted mean loss over samples [0, num_samples) of a validation dataset; with several
+    data-parallel ranks each takes every n-th micro batch and the sums are reduced."""
+    rank, size = world()
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0.0
-    for start in range(0, num_samples, micro_batch):
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss x tokens, tokens
+    for start in range(rank * micro_batch, num_samples, micro_batch * size):
         batch = collate([dataset[i] for i in range(start, min(num_samples, start + micro_batch))]).to(device)
         with autocast():
             loss, _ = model(batch)
-        tokens = float(batch.loss_mask.sum())
-        total += float(loss) * tokens
-        count += tokens
+        tokens = batch.loss_mask.sum()
+        sums += torch.stack([loss.double() * tokens, tokens.double()])
+    all_reduce_sum(sums, "validation loss")
     model.train(was_training)
-    val_loss = total / max(count, 1.0)
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(count)}
+    val_loss = float(sums[0]) / max(float(sums[1]), 1.0)
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(sums[1])}
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, log=print):
-        self.cfg, self.log = cfg, log
+        self.cfg = cfg
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
+        env = init_distributed(detect_env(), timeout_s=cfg.parallel.timeout_s)
+        self.rank, self.dp_size = env.rank, env.world_size
+        self.log = rank_logger(t.run_dir if env.world_size > 1 else None, env, echo=log)
+        if t.global_batch_seqs % (t.micro_batch_seqs * self.dp_size):
+            raise ValueError(f"train.global_batch_seqs {t.global_batch_seqs} is not divisible by "
+                             f"train.micro_batch_seqs x data-parallel ranks = {t.micro_batch_seqs} x {self.dp_size}")
         self.device = resolve_device(t)
         self.amp_dtype = autocast_dtype(t, self.device)
         self.spec = get_arch(cfg.model.arch)
@@ -88,7 +98,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = self.spec.build(cfg.model).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.forward = torch.compile(self.model) if t.compile else self.model
+        self.wrapped = wrap_data_parallel(self.model, cfg.parallel.data_parallel)
+        self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.step, self.consumed = 0, 0
         self.eod_id = eod_id_of(cfg.data)
         self.collate = Collator(self.eod_id, cfg.data.reset_positions, cfg.data.mask_cross_document)
@@ -99,6 +110,8 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
+        if self.rank != 0:
+            return
         os.makedirs(self.run_dir, exist_ok=True)
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(self.cfg))
@@ -120,7 +133,8 @@ class Trainer:
 
     def _loader(self):
         t, data = self.cfg.train, self.cfg.data
-        sampler = GlobalBatchSampler(t.global_batch_seqs, t.micro_batch_seqs, 0, 1, consumed_samples=self.consumed)
+        sampler = GlobalBatchSampler(t.global_batch_seqs, t.micro_batch_seqs, self.rank, self.dp_size,
+                                     consumed_samples=self.consumed)
         kwargs = dict(num_workers=data.num_workers, pin_memory=self.device.type == "cuda")
         if data.num_workers:
             kwargs.update(prefetch_factor=4, persistent_workers=True)
@@ -146,6 +160,32 @@ class Trainer:
                              self._autocast)
 
     # -- the loop --------------------------------------------------------------------------------
+    def _train_step(self, batches, n_micro: int, window: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step's forward/backward over its micro batches; returns (loss, grad norm).
+
+        Each micro batch's mean loss is weighted by its share of the global batch's target tokens
+        (times dp_size, which the engine's gradient averaging divides out), so the gradient is that
+        of the token-weighted mean over the global batch whatever the micro batch or rank count.
+        """
+        t0 = time.perf_counter()
+        micro = [next(batches).to(self.device, non_blocking=True) for _ in range(n_micro)]
+        tokens = torch.stack([b.loss_mask.sum() for b in micro]).float()
+        total = all_reduce_sum(tokens.sum(), "target token count").clamp(min=1.0)
+        weights = tokens * (self.dp_size / total)
+        step_loss = torch.zeros((), device=self.device)
+        window["data"] += time.perf_counter() - t0
+        for i, batch in enumerate(micro):
+            t1 = time.perf_counter()
+            with no_sync(self.wrapped, i == n_micro - 1):
+                with self._autocast():
+                    loss, _ = self.forward(batch)
+                t2 = time.perf_counter()
+                (loss * weights[i]).backward()
+            step_loss += loss.detach() * (weights[i] / self.dp_size)
+            window["forward"] += t2 - t1
+            window["backward"] += time.perf_counter() - t2
+        return step_loss, clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self._resume()
@@ -155,47 +195,33 @@ class Trainer:
             return {"step": self.step}
         self._prepare_run_dir()
         self._describe()
-        metrics = MetricsLog(self.run_dir, resume_step=self.step)
-        wandb = WandbLogger(self.run_dir, cfg.log.wandb_project, t.name, cfg.to_dict()) if cfg.log.wandb else None
+        lead = self.rank == 0
+        metrics = MetricsLog(self.run_dir, resume_step=self.step) if lead else None
+        wandb = WandbLogger(self.run_dir, cfg.log.wandb_project, t.name, cfg.to_dict()) if cfg.log.wandb and lead else None
         batches = self._loader()
-        n_micro = t.global_batch_seqs // t.micro_batch_seqs
-        tokens_per_step = cfg.tokens_per_step
+        n_micro = t.global_batch_seqs // (t.micro_batch_seqs * self.dp_size)
         last_saved = self.step
-        window = dict(loss=torch.zeros((), device=self.device), steps=0, data=0.0, forward=0.0,
-                      backward=0.0, optimizer=0.0, t0=time.perf_counter())
+        window = self._new_window()
         record: dict = {}
         self.model.train()
         try:
             while self.step < t.max_steps:
                 lr = lr_at(self.step, t.max_steps, cfg.optim, cfg.schedule)
                 set_lr(self.optimizer, lr)
-                step_loss = torch.zeros((), device=self.device)
-                for _ in range(n_micro):
-                    t0 = time.perf_counter()
-                    batch = next(batches).to(self.device, non_blocking=True)
-                    t1 = time.perf_counter()
-                    with self._autocast():
-                        loss, _ = self.forward(batch)
-                    t2 = time.perf_counter()
-                    (loss / n_micro).backward()
-                    t3 = time.perf_counter()
-                    step_loss += loss.detach() / n_micro
-                    window["data"] += t1 - t0
-                    window["forward"] += t2 - t1
-                    window["backward"] += t3 - t2
+                step_loss, grad_norm = self._train_step(batches, n_micro, window)
                 t3 = time.perf_counter()
-                grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
-                if not torch.isfinite(step_loss):  # a sync; free on CPU, and NaNs must not reach the weights
+                # The reduced gradients' norm is the same on every rank, so all ranks agree on a skip;
+                # the check is a sync, free on CPU, and NaNs must not reach the weights.
+                if not torch.isfinite(grad_norm):
                     if t.nan_policy == "stop":
                         raise NonFiniteLossError(
                             f"non-finite loss {step_loss.item()} at step {self.step + 1} (lr {lr:.3e}, grad norm "
                             f"{grad_norm.item():.3e}); the last checkpoint is intact. Lower optim.lr, check "
                             "the data, or set train.nan_policy=skip")
                     self.log(f"step {self.step + 1}: non-finite loss, step skipped (train.nan_policy=skip)")
-                    self.optimizer.zero_grad(set_to_none=True)
                 else:
                     self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=True)
                 window["optimizer"] += time.perf_counter() - t3
                 self.step += 1
                 self.consumed += t.global_batch_seqs
@@ -204,17 +230,18 @@ class Trainer:
 
                 last = self.step == t.max_steps
                 do_eval = last or (t.eval_every and self.step % t.eval_every == 0)
-                if do_eval or last or self.step % t.log_every == 0:
-                    record = self._record(window, lr, grad_norm, tokens_per_step)
+                if do_eval or self.step % t.log_every == 0:
+                    all_reduce_sum(window["loss"], "logged loss")
+                    record = self._record(window, lr, grad_norm, cfg.tokens_per_step)
                     if do_eval:
                         record.update(self.evaluate())
-                    metrics.write(record)
-                    if wandb is not None:
-                        wandb.log(record)
+                    if lead:
+                        metrics.write(record)
+                        if wandb is not None:
+                            wandb.log(record)
                     self.log(progress_line(record, t.max_steps) + (
                         f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else ""))
-                    window.update(loss=torch.zeros((), device=self.device), steps=0, data=0.0, forward=0.0,
-                                  backward=0.0, optimizer=0.0, t0=time.perf_counter())
+                    window = self._new_window()
                 if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
                     last_saved = self.step
@@ -224,10 +251,15 @@ class Trainer:
                 self.save()
             raise
         finally:
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
             if wandb is not None:
                 wandb.close()
         return record
+
+    def _new_window(self) -> dict:
+        return dict(loss=torch.zeros((), device=self.device), steps=0, data=0.0, forward=0.0, backward=0.0,
+                    optimizer=0.0, t0=time.perf_counter())
 
     def _record(self, w: dict, lr: float, grad_norm, tokens_per_step: int) -> dict:
         elapsed = max(time.perf_counter() - w["t0"], 1e-9)

@@ -1,4 +1,6 @@
 """Shared pieces of the trainer tests: a learnable synthetic corpus and tiny run configs."""
+from pathlib import Path
+
 import numpy as np
 
 from data_tools.indexed import IndexedWriter
@@ -21,6 +23,7 @@ def write_markov_corpus(prefix, num_docs=300, seed=0):
 
 
 def tiny_overrides(tmp_path, prefix, **extra):
+    tmp_path = Path(tmp_path)
     """Overrides turning baseline/tiny into a seconds-long CPU run on the synthetic corpus."""
     values = {
         "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,

@@ -1,0 +1,61 @@
+"""Process groups from torchrun, Slurm and MPI environments; collectives that fail say who and what."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from parallel.dist import CollectiveError, collective, detect_env, expand_hostlist
+
+
+def test_hostlist_expansion():
+    assert expand_hostlist("gpu[01-03,07],login-a[1-2],solo") == [
+        "gpu01", "gpu02", "gpu03", "gpu07", "login-a1", "login-a2", "solo"]
+    assert expand_hostlist("node7") == ["node7"]
+
+
+def test_detect_torchrun_slurm_mpi_and_single():
+    t = detect_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                    "MASTER_ADDR": "n1", "MASTER_PORT": "1234"})
+    assert (t.rank, t.world_size, t.local_rank, t.local_world_size, t.master_addr, t.master_port, t.launcher) == (
+        3, 8, 1, 4, "n1", 1234, "torchrun")
+    s = detect_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                    "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"})
+    assert (s.rank, s.world_size, s.local_rank, s.local_world_size, s.master_addr, s.launcher) == (
+        5, 8, 1, 4, "gpu07", "slurm")
+    again = detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[07-08]",
+                        "SLURM_JOB_ID": "4242"})
+    assert again.master_port == s.master_port  # every rank derives the same port from the job id
+    m = detect_env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+                    "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, mpi_address=("10.0.0.5", 4000))
+    assert (m.rank, m.world_size, m.master_addr, m.master_port, m.launcher) == (1, 2, "10.0.0.5", 4000, "mpi")
+    assert detect_env({}).launcher == "single" and detect_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}).world_size == 1
+    with pytest.raises(ValueError, match="RANK='x' is not an integer"):
+        detect_env({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def _all_reduce_body(rank, world_size):
+    t = torch.tensor([float(rank + 1)])
+    collective("all_reduce", dist.all_reduce, t)
+    return t.item(), dist.get_world_size(), dist.get_backend()
+
+
+def test_two_gloo_ranks_all_reduce():
+    assert run_ranks(_all_reduce_body, 2) == [(3.0, 2, "gloo"), (3.0, 2, "gloo")]
+
+
+def _stuck_peer_body(rank, world_size):
+    if rank == 1:
+        time.sleep(6)  # never joins the collective in time
+        return "slept"
+    try:
+        collective("all_reduce(loss)", dist.all_reduce, torch.ones(1))
+    except CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_stuck_peer_is_reported_with_rank_and_operation():
+    msg, _ = run_ranks(_stuck_peer_body, 2, env={"TEST_DIST_TIMEOUT": "3"})
+    assert msg.startswith("rank 0: collective 'all_reduce(loss)' failed (") and "\n" not in msg
