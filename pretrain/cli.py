@@ -122,9 +122,10 @@ def _train(args) -> int:
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
 
-    record = Trainer(load_config(args.config, args.overrides)).fit()
+    trainer = Trainer(load_config(args.config, args.overrides))
+    record = trainer.fit()
     if "val_loss" in record:
-        print(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} "
+        trainer.log(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} "
               f"(ppl {record['val_ppl']:.1f})")
     return 0
 

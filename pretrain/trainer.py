@@ -271,7 +271,7 @@ class Trainer:
         return {
             "step": self.step, "loss": float(w["loss"]) / steps, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s, "tflops": tflops,
-            "mfu": tflops / self.peak_tflops if self.peak_tflops else 0.0,
+            "mfu": tflops / (self.peak_tflops * self.dp_size) if self.peak_tflops else 0.0,  # peak is per rank
             "memory_gb": memory_gb(self.device), "time_split": {k: v / busy for k, v in parts.items()},
             "eta_s": (self.cfg.train.max_steps - self.step) * elapsed / steps,
             "consumed_samples": self.consumed, "tokens": self.consumed * self.cfg.data.seq_len,
