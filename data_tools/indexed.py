@@ -77,6 +77,12 @@ def dataset_exists(prefix: str | os.PathLike) -> bool:
     return os.path.isfile(idx_path(prefix)) and os.path.isfile(bin_path(prefix))
 
 
+def file_stamp(path: str | os.PathLike) -> list[int]:
+    """[size, mtime_ns] of a file: what caches derived from it are keyed by."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns]
+
+
 def fsync_path(path: str | os.PathLike) -> None:
     """fsync a file or a directory by path (a directory's fsync makes its renames durable)."""
     fd = os.open(path, os.O_RDONLY)
@@ -443,8 +449,7 @@ class IndexedDataset:
         The format has no vocabulary field, so this is how a trainer checks that the data fits its
         model. The cache `{prefix}.maxid.json` is keyed by both files' sizes and mtimes.
         """
-        stamp = [os.stat(f).st_size for f in (self.idx_file, self.bin_file)] + [
-            os.stat(f).st_mtime_ns for f in (self.idx_file, self.bin_file)]
+        stamp = file_stamp(self.idx_file) + file_stamp(self.bin_file)
         cache = self.prefix + ".maxid.json"
         try:
             with open(cache) as f:

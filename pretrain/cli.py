@@ -131,17 +131,15 @@ def _train(args) -> int:
 
 
 def _eval(args) -> int:
-    from pretrain.data import Collator
     from pretrain.data.build import valid_dataset
     from pretrain.generate import load_for_inference
-    from pretrain.trainer import eod_id_of, evaluate_loss
+    from pretrain.trainer import collator_for, evaluate_loss
 
     model, spec, cfg, _ = load_for_inference(args.path)
     data, available = valid_dataset(cfg.data)
     micro = cfg.train.micro_batch_seqs
     n = min((args.batches or cfg.train.eval_batches) * micro, available)
-    collate = Collator(eod_id_of(cfg.data), cfg.data.reset_positions, cfg.data.mask_cross_document)
-    result = evaluate_loss(model, data, n, micro, collate, next(model.parameters()).device)
+    result = evaluate_loss(model, data, n, micro, collator_for(cfg.data), next(model.parameters()).device)
     if args.unigram_entropy:
         result["unigram_entropy"] = unigram_entropy(cfg.data, cfg.model.vocab_size)
     if args.json:
@@ -157,22 +155,18 @@ def _eval(args) -> int:
 
 
 def unigram_entropy(data, vocab_size: int) -> float:
-    """Entropy (nats) of the token frequencies of the validation documents (data.valid, else the
-    valid share of data.train): the loss of the best context-free model of those very tokens."""
+    """Entropy (nats) of the token frequencies of the validation documents: the loss of the best
+    context-free model of those very tokens."""
     import numpy as np
 
-    from data_tools.indexed import IndexedDataset
-    from pretrain.data.packed import split_document_ranges
+    from pretrain.data.build import valid_parts
 
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for prefix in data.valid or data.train:
-        ds = IndexedDataset(prefix)
-        lo, hi = 0, ds.num_documents
-        if not data.valid:
-            lo, hi = split_document_ranges(data.resolved_split(), ds.num_documents)[1]
-        starts, lengths = ds.document_token_bounds()
-        if hi > lo:
-            counts += np.bincount(ds.tokens[starts[lo] : starts[hi - 1] + lengths[hi - 1]], minlength=vocab_size)
+    for part in valid_parts(data):
+        lo, hi = part.document_range
+        starts, lengths = part.indexed.document_token_bounds()
+        counts += np.bincount(part.indexed.tokens[starts[lo] : starts[hi - 1] + lengths[hi - 1]],
+                              minlength=vocab_size)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 

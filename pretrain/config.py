@@ -206,8 +206,6 @@ def load_config(source: str, overrides: list[str] | tuple = (), check_data: bool
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from pretrain.models import get_arch
-
     path = config_path(source)
     try:
         raw = OmegaConf.load(path)
@@ -217,10 +215,8 @@ def load_config(source: str, overrides: list[str] | tuple = (), check_data: bool
     if not OmegaConf.is_dict(raw):
         raise ConfigError(f"config {path} must be a mapping of sections (model, data, train, ...)")
     arch = OmegaConf.select(cli, "model.arch") or OmegaConf.select(raw, "model.arch") or "baseline"
-    spec = get_arch(str(arch))
-    schema = OmegaConf.structured(RunConfig(model=spec.config_cls()))
     try:
-        merged = OmegaConf.merge(schema, raw, cli)
+        merged = OmegaConf.merge(_schema(str(arch)), raw, cli)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config {path}: {_one_line(e)}") from None
@@ -231,11 +227,17 @@ def config_from_dict(d: dict, check_data: bool = False) -> RunConfig:
     """Rebuild a RunConfig from `to_dict()` output (as stored in checkpoints)."""
     from omegaconf import OmegaConf
 
+    merged = OmegaConf.merge(_schema(d.get("model", {}).get("arch", "baseline")), d)
+    return OmegaConf.to_object(merged).validate(check_data=check_data)
+
+
+def _schema(arch: str):
+    """The typed OmegaConf schema of a run whose model is `arch` (its registry config class)."""
+    from omegaconf import OmegaConf
+
     from pretrain.models import get_arch
 
-    spec = get_arch(d.get("model", {}).get("arch", "baseline"))
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig(model=spec.config_cls())), d)
-    return OmegaConf.to_object(merged).validate(check_data=check_data)
+    return OmegaConf.structured(RunConfig(model=get_arch(arch).config_cls()))
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -40,7 +40,7 @@ def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature:
     logits, state = spec.step(model, tokens, state)
     out = [[] for _ in prompt]
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
-    for _ in range(max_tokens):
+    for k in range(max_tokens):
         last = logits[:, -1]
         if temperature == 0:
             nxt = last.argmax(-1)
@@ -54,7 +54,8 @@ def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature:
             done |= nxt == eos_id
             if bool(done.all()):
                 break
-        logits, state = spec.step(model, nxt[:, None], state)
+        if k + 1 < max_tokens:  # the last token needs no logits after it
+            logits, state = spec.step(model, nxt[:, None], state)
     return out
 
 

@@ -30,7 +30,7 @@ from pretrain.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
 
 
 class NonFiniteLossError(RuntimeError):
-    pass
+    """The loss or the gradients became NaN/inf and train.nan_policy is stop."""
 
 
 def resolve_device(train) -> torch.device:
@@ -49,12 +49,14 @@ def autocast_dtype(train, device: torch.device) -> torch.dtype | None:
     return torch.bfloat16 if precision == "bf16" else None
 
 
-def eod_id_of(data) -> int | None:
-    if not data.tokenizer:
-        return None
-    from data_tools.tokenizer import load_tokenizer
+def collator_for(data) -> Collator:
+    """The collate function a DataConfig asks for (the tokenizer's EOD id, position and mask options)."""
+    eod_id = None
+    if data.tokenizer:
+        from data_tools.tokenizer import load_tokenizer
 
-    return load_tokenizer(data.tokenizer).eod_id
+        eod_id = load_tokenizer(data.tokenizer).eod_id
+    return Collator(eod_id, data.reset_positions, data.mask_cross_document)
 
 
 @torch.no_grad()
@@ -66,7 +68,7 @@ def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, d
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss x tokens, tokens
     for start in range(rank * micro_batch, num_samples, micro_batch * size):
-        batch = collate([dataset[i] for i in range(start, min(num_samples, start + micro_batch))]).to(device)
+        batch = collate(dataset.get_many(range(start, min(num_samples, start + micro_batch)))).to(device)
         with autocast():
             loss, _ = model(batch)
         tokens = batch.loss_mask.sum()
@@ -101,8 +103,7 @@ class Trainer:
         self.wrapped = wrap_data_parallel(self.model, cfg.parallel.data_parallel)
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.step, self.consumed = 0, 0
-        self.eod_id = eod_id_of(cfg.data)
-        self.collate = Collator(self.eod_id, cfg.data.reset_positions, cfg.data.mask_cross_document)
+        self.collate = collator_for(cfg.data)
         self.train_data = train_dataset(cfg.data)
         self.valid_data, self.valid_samples = valid_dataset(cfg.data)
         self.flops_per_token = self.spec.flops_per_token(cfg.model, cfg.data.seq_len)

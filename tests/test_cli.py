@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from data_tools.cli import main
 from data_tools.indexed import IndexedDataset, IndexedWriter

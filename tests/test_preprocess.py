@@ -139,7 +139,7 @@ def test_text_files_parquet_and_datasets_folder(tmp_path, spm, texts):
     _, ds = _run(tmp_path, spm, [str(lines)], "l", text_unit="line", workers=1)
     assert _docs(ds["text"]) == [tok.encode(x) + [tok.eod_id] for x in ("first line", "second line")]
 
-    pa = pytest.importorskip("pyarrow")
+    pa = pytest.importorskip("pyarrow", reason="parquet input needs pyarrow (the formats extra)")
     import pyarrow.parquet as pq
 
     table = pa.table({"text": texts[:6], "id": list(range(6))})
@@ -147,7 +147,7 @@ def test_text_files_parquet_and_datasets_folder(tmp_path, spm, texts):
     _, ds = _run(tmp_path, spm, [str(tmp_path / "d.parquet")], "p", workers=2)
     assert _docs(ds["text"]) == expected
 
-    datasets = pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets", reason="save_to_disk input needs datasets (the formats extra)")
     datasets.Dataset.from_dict({"text": texts[:6]}).save_to_disk(str(tmp_path / "hf"))
     _, ds = _run(tmp_path, spm, [str(tmp_path / "hf")], "h", workers=1)
     assert _docs(ds["text"]) == expected

@@ -33,13 +33,17 @@ def train_dataset(data):
     return _combine(parts, list(data.train_weights))
 
 
-def valid_dataset(data):
-    """(dataset, number of distinct samples) for validation: `data.valid`, else the split's valid share."""
+def valid_parts(data) -> list[PackedDataset]:
+    """The validation datasets: `data.valid`, else the split's valid share of each `data.train`."""
     if data.valid:
-        parts = [_packed(data, p, "1", "train") for p in data.valid]
-    else:
-        try:
-            parts = [_packed(data, p, data.resolved_split(), "valid") for p in data.train]
-        except ValueError as e:
-            raise ValueError(f"no validation data ({e}); set data.valid or give data.split a valid share") from None
+        return [_packed(data, p, "1", "train") for p in data.valid]
+    try:
+        return [_packed(data, p, data.resolved_split(), "valid") for p in data.train]
+    except ValueError as e:
+        raise ValueError(f"no validation data ({e}); set data.valid or give data.split a valid share") from None
+
+
+def valid_dataset(data):
+    """(dataset, number of distinct samples) for validation."""
+    parts = valid_parts(data)
     return _combine(parts, []), sum(len(p) for p in parts)

@@ -24,13 +24,12 @@ import threading
 
 import numpy as np
 
-from data_tools.indexed import IndexedDataset
+from data_tools.indexed import IndexedDataset, file_stamp
 from pretrain.data.cache import load_or_build, stable_hash
 
 FORMAT_VERSION = 1  # bump when the cached arrays or the order they define change
 SPLIT_NAMES = ("train", "valid", "test")
 _EPOCH_NAMES = ["doc_order", "sample_starts", "sample_shuffle", "doc_bounds", "samples"]
-_FILL_ROWS = 8  # samples with more documents than this fill the extra doc ids with numpy
 _EPOCHS_KEPT = 4  # loaded epochs kept open: a global batch can straddle an epoch boundary
 
 
@@ -56,11 +55,6 @@ def split_document_ranges(split, num_documents: int) -> list[tuple[int, int]]:
     bounds = [int(round(c * num_documents)) for c in cum]
     bounds[-1] = num_documents  # float error must never lose the last document
     return [(bounds[k], bounds[k + 1]) for k in range(3)]
-
-
-def _file_stamp(path: str) -> list[int]:
-    st = os.stat(path)
-    return [st.st_size, st.st_mtime_ns]
 
 
 class PackedDataset:
@@ -141,7 +135,7 @@ class PackedDataset:
         # ... and what the cache additionally depends on: these exact files.
         self._stamp = dict(
             path=os.path.realpath(prefix),
-            idx=_file_stamp(self.indexed.idx_file), bin=_file_stamp(self.indexed.bin_file),
+            idx=file_stamp(self.indexed.idx_file), bin=file_stamp(self.indexed.bin_file),
         )
         self.num_builds = 0  # epochs this object built rather than loaded (tests check reuse)
         self._data = np.asarray(self.indexed.tokens)  # plain ndarray: np.memmap slicing is slow
@@ -155,8 +149,6 @@ class PackedDataset:
         self._step.flags.writeable = False
         self._zeros = self._step[:L1]
         self._tls = threading.local()  # per-thread scratch buffers, so threads may share the dataset
-        # Rows of constant doc ids, copied from by memoryview (cheaper than a numpy fill).
-        self._fills = [memoryview(np.full(L1, n, np.int32)) for n in range(_FILL_ROWS)]
 
     # -- pickling: DataLoader workers reopen the files instead of copying the memory maps ------
     def __getstate__(self):
@@ -257,42 +249,33 @@ class PackedDataset:
             out[:w] = self._data_mv[a:end0]
             out[w:] = self._data_mv[start1:b]
             return {"tokens": raw.astype(np.int64), "doc_ids": self._step[self._L1 - w : 2 * self._L1 - w]}
-        # Three or more documents: doc ids are the sum of one 0-then-1 step per boundary.
-        data, step, L1 = self._data_mv, self._step, self._L1
-        w = end0 - a
-        out[:w] = data[a:end0]
-        doc_ids = None
-        for lo, hi in self._bounds[p0 + 1 : p1].tolist():
-            view = step[L1 - w : 2 * L1 - w]
-            doc_ids = view.copy() if doc_ids is None else np.add(doc_ids, view, out=doc_ids)
-            out[w : w + hi - lo] = data[lo:hi]
-            w += hi - lo
-        out[w:] = data[start1:b]
-        np.add(doc_ids, step[L1 - w : 2 * L1 - w], out=doc_ids)
+        doc_ids = np.empty(self._L1, np.int32)
+        self._gather(a, b, p0, p1, end0, start1, out, doc_ids)
         return {"tokens": raw.astype(np.int64), "doc_ids": doc_ids}
 
-    def _gather(self, a, b, p0, p1, end0, start1, out, doc_out) -> None:
-        """Copy one sample into the memoryview `out` and its doc ids into the memoryview `doc_out`.
+    def _gather(self, a, b, p0, p1, end0, start1, out, doc_ids: np.ndarray) -> None:
+        """Copy one sample into the memoryview `out` and its doc ids into the int32 array `doc_ids`.
 
         The sample is .bin tokens [a, b) when it lies in one document (p0 == p1); otherwise
         [a, end0) of ordered document p0, the whole documents p0+1 .. p1-1, and [start1, b) of p1.
+        Doc ids are built as the sum of one 0-then-1 step (a view of _step) per document boundary,
+        which costs less than filling each document's run.
         """
-        data, fills = self._data_mv, self._fills
+        data, step, L1 = self._data_mv, self._step, self._L1
         if p0 == p1:
             out[:] = data[a:b]
-            doc_out[:] = fills[0]
+            doc_ids[:] = 0
             return
         w = end0 - a
         out[:w] = data[a:end0]
-        doc_out[:w] = fills[0][:w]
-        n = 1
+        ids = step[L1 - w : 2 * L1 - w]  # 0 before the first boundary, 1 after
         for lo, hi in self._bounds[p0 + 1 : p1].tolist():
-            m = w + hi - lo
-            out[w:m] = data[lo:hi]
-            doc_out[w:m] = fills[n][w:m] if n < len(fills) else np.full(m - w, n, np.int32).data
-            w, n = m, n + 1
+            out[w : w + hi - lo] = data[lo:hi]
+            w += hi - lo
+            ids = np.add(ids, step[L1 - w : 2 * L1 - w], out=doc_ids)  # one pass per boundary
+        if ids is not doc_ids:
+            doc_ids[:] = ids
         out[w:] = data[start1:b]
-        doc_out[w:] = fills[n][w:] if n < len(fills) else np.full(len(out) - w, n, np.int32).data
 
     def get_many(self, indices) -> tuple[np.ndarray, np.ndarray]:
         """Samples `indices` as (tokens int64 [n, seq_len+1], doc_ids int32 [n, seq_len+1]).
@@ -305,13 +288,13 @@ class PackedDataset:
         L1 = self._L1
         raw = np.empty(idx.size * L1, self._data.dtype)
         doc_ids = np.empty(idx.size * L1, np.int32)
-        raw_mv, doc_mv = memoryview(raw), memoryview(doc_ids)
+        raw_mv = memoryview(raw)
         epochs, js = np.divmod(idx, self.samples_per_epoch)
         for e in np.unique(epochs).tolist():
             self._use_epoch(e)
             rows = np.flatnonzero(epochs == e)
-            for r, row in zip((rows * L1).tolist(), self._table[js[rows]].tolist()):
-                self._gather(*row, raw_mv[r : r + L1], doc_mv[r : r + L1])
+            for r, row in zip(rows.tolist(), self._table[js[rows]].tolist()):
+                self._gather(*row, raw_mv[r * L1 : (r + 1) * L1], doc_ids[r * L1 : (r + 1) * L1])
         return raw.astype(np.int64).reshape(-1, L1), doc_ids.reshape(-1, L1)
 
     def __repr__(self) -> str:
