@@ -1,9 +1,17 @@
 """The layers through which every model builds its linears, embeddings and loss.
 
-A model never knows how it is split over processes (torchtitan's rule). At tensor-parallel size 1
-these facades are plain torch modules; the parallelism issue makes them megatron-core's column,
-row and vocab-parallel layers when TP > 1, behind the same constructors. Keeping every model on
-these four names is what lets one model file run at TP=1 on a laptop and at TP=8 on a node.
+A model never knows how it is split over processes (torchtitan's rule). With no megatron layout
+(parallel.mesh) these facades are plain torch modules. When the layout uses megatron-core (TP > 1, or
+its layers forced at TP = 1) the same constructors return megatron-core's ColumnParallelLinear,
+RowParallelLinear and VocabParallelEmbedding, and the head uses its vocab-parallel cross-entropy.
+
+Models work in [batch, time, features]; megatron's sequence parallelism splits the first dimension,
+so under SP the facades transpose to [time, batch, ...] around megatron's calls (views; megatron
+makes the copies its collectives need). Between a RowLinear and the next ColumnLinear the activations
+are then [B, T / tp, d]: a model must take T from a linear's output, not from its input.
+
+Weights are initialised as the full matrix from the default torch generator and then sliced
+(megatron's CPU initialisation), so a model built from one seed is the same model at every TP size.
 """
 from __future__ import annotations
 
@@ -11,11 +19,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from parallel.mesh import layout
+
+
+def _normal(std: float):
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
 
 class ColumnLinear(nn.Linear):
-    """y = x W^T with W split by output features under TP (q/k/v, FFN gate and up projections)."""
+    """y = x W^T with W split by output features under TP (q/k/v, FFN gate and up projections).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02):
+    `stacked` > 1 says the output is that many projections side by side (a fused q|k|v): TP then
+    splits each of them, so every rank holds whole heads of q, k and v.
+    """
+
+    counts_as_embedding = False
+
+    def __new__(cls, *args, **kwargs):
+        if layout().megatron:
+            return _megatron_linear(cls is RowLinear, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02,
+                 stacked: int = 1):
         super().__init__(in_features, out_features, bias=bias)
         self.init_std = init_std
         self.reset_parameters()
@@ -35,9 +61,19 @@ class RowLinear(ColumnLinear):
 class VocabEmbedding(nn.Embedding):
     """Token embedding, split over the vocabulary under TP."""
 
+    counts_as_embedding = True
+
+    def __new__(cls, *args, **kwargs):
+        if layout().megatron:
+            return _megatron_embedding(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, vocab_size: int, dim: int, init_std: float = 0.02):
+        self.init_std = init_std
         super().__init__(vocab_size, dim)
-        nn.init.normal_(self.weight, mean=0.0, std=init_std)
+
+    def reset_parameters(self) -> None:  # one draw from the generator, as under TP
+        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
 
 class LMHead(nn.Module):
@@ -46,25 +82,133 @@ class LMHead(nn.Module):
     `tied` shares the weight of a VocabEmbedding (the parameter is then counted once).
     """
 
-    def __init__(self, dim: int, vocab_size: int, tied: VocabEmbedding | None = None, init_std: float = 0.02):
+    counts_as_embedding = True
+
+    def __init__(self, dim: int, vocab_size: int, tied: nn.Module | None = None, init_std: float = 0.02):
         super().__init__()
         self.vocab_size = vocab_size
+        lay = layout()
         if tied is not None:
             self.weight = tied.weight
-        else:
+        elif not lay.megatron:
             self.weight = nn.Parameter(torch.empty(vocab_size, dim))
             nn.init.normal_(self.weight, mean=0.0, std=init_std)
+        else:  # the full matrix from the generator, then this rank's rows (as megatron's embedding does)
+            full = nn.init.normal_(torch.empty(vocab_size, dim), mean=0.0, std=init_std)
+            rows = vocab_size // lay.tp
+            self.weight = nn.Parameter(full[lay.tp_rank * rows:(lay.tp_rank + 1) * rows].clone())
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+
+    def _local_logits(self, h: Tensor) -> Tensor:
+        lay = layout()
+        if not lay.megatron:
+            return F.linear(h, self.weight).float()
+        from megatron.core.tensor_parallel import mappings
+
+        if lay.sp:  # [B, T/tp, d] -> [B, T, d]; the backward reduce-scatters the vocab-partial grads
+            h = mappings.gather_from_sequence_parallel_region(h.transpose(0, 1), group=lay.tp_group).transpose(0, 1)
+        else:
+            h = mappings.copy_to_tensor_model_parallel_region(h, group=lay.tp_group)
+        return F.linear(h, self.weight).float()
 
     def logits(self, h: Tensor) -> Tensor:
         """[..., dim] -> [..., vocab] in float32 (softmax statistics need it under bf16)."""
-        return F.linear(h, self.weight).float()
+        logits = self._local_logits(h)
+        lay = layout()
+        if lay.megatron and lay.tp > 1:
+            from megatron.core.tensor_parallel import mappings
+
+            logits = mappings.gather_from_tensor_model_parallel_region(logits, group=lay.tp_group)
+        return logits
 
     def loss(self, h: Tensor, labels: Tensor, loss_mask: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over the positions where loss_mask is True (all when None)."""
-        logits = self.logits(h).flatten(0, -2)
-        per_token = F.cross_entropy(logits, labels.reshape(-1), reduction="none")
+        logits = self._local_logits(h)
+        if layout().megatron:
+            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+            per_token = vocab_parallel_cross_entropy(logits.contiguous(), labels).reshape(-1)
+        else:
+            per_token = F.cross_entropy(logits.flatten(0, -2), labels.reshape(-1), reduction="none")
         if loss_mask is None:
             return per_token.mean()
         mask = loss_mask.reshape(-1).to(per_token.dtype)
         # clamp: a micro batch whose targets are all masked contributes 0, not NaN.
         return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# -- megatron-core layers (imported only when a layout uses them) -----------------------------------
+
+def _model_parallel_config():
+    from megatron.core import ModelParallelConfig
+
+    lay = layout()
+    return ModelParallelConfig(tensor_model_parallel_size=lay.tp, sequence_parallel=lay.sp and lay.tp > 1,
+                               use_cpu_initialization=True, perform_initialization=True,
+                               gradient_accumulation_fusion=False, params_dtype=torch.float32)
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def _megatron_classes() -> dict[str, type]:
+    """Subclasses of megatron's layers with our forward signatures (output only; [B, T, ...] layout)."""
+    if _CLASSES:
+        return _CLASSES
+    from megatron.core.tensor_parallel import layers as mp
+
+    class MegatronColumn(mp.ColumnParallelLinear):
+        counts_as_embedding = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            if not self.sequence_parallel:
+                return super().forward(x)[0]
+            return super().forward(x.transpose(0, 1))[0].transpose(0, 1)
+
+    class MegatronRow(mp.RowParallelLinear):
+        counts_as_embedding = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            if not self.sequence_parallel:
+                return super().forward(x)[0]
+            return super().forward(x.transpose(0, 1))[0].transpose(0, 1)
+
+    class MegatronEmbedding(mp.VocabParallelEmbedding):
+        counts_as_embedding = True
+
+        def forward(self, tokens: Tensor) -> Tensor:
+            out = super().forward(tokens)  # under SP: reduce-scattered over time, [T/tp, B, d]
+            return out.transpose(0, 1) if self.reduce_scatter_embeddings else out
+
+    _CLASSES.update(column=MegatronColumn, row=MegatronRow, embedding=MegatronEmbedding)
+    return _CLASSES
+
+
+def _megatron_linear(row: bool, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02,
+                     stacked: int = 1) -> nn.Module:
+    lay, classes = layout(), _megatron_classes()
+    kw = dict(config=_model_parallel_config(), init_method=_normal(init_std), bias=bias, tp_group=lay.tp_group)
+    if row:
+        if stacked != 1:
+            raise ValueError("RowLinear does not take `stacked`: its input, not its output, is split")
+        return classes["row"](in_features, out_features, input_is_parallel=True, skip_bias_add=False, **kw)
+    for name, size in (("output features", out_features), ("stacked blocks", out_features // stacked)):
+        if size % lay.tp:
+            raise ValueError(f"ColumnLinear: {name} {size} are not divisible by parallel.tp={lay.tp}")
+    return classes["column"](in_features, out_features, gather_output=False, stride=stacked, **kw)
+
+
+def _megatron_embedding(vocab_size: int, dim: int, init_std: float = 0.02) -> nn.Module:
+    lay = layout()
+    if vocab_size % lay.tp:
+        raise ValueError(f"model.vocab_size {vocab_size} is not divisible by parallel.tp={lay.tp}")
+    return _megatron_classes()["embedding"](vocab_size, dim, init_method=_normal(init_std),
+                                            reduce_scatter_embeddings=lay.sp and lay.tp > 1,
+                                            config=_model_parallel_config(), tp_group=lay.tp_group)
+
+
+def is_tensor_parallel(p: Tensor) -> bool:
+    """Whether parameter `p` is split over the TP group (each rank holds a different slice)."""
+    return bool(getattr(p, "tensor_model_parallel", False)) and layout().tp > 1

@@ -100,13 +100,15 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, cfg: BaselineConfig):
         super().__init__()
-        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
-        self.qkv = ColumnLinear(cfg.d_model, 3 * cfg.d_model, init_std=cfg.init_std)
+        self.head_dim = cfg.head_dim
+        self.qkv = ColumnLinear(cfg.d_model, 3 * cfg.d_model, init_std=cfg.init_std, stacked=3)  # q | k | v
         self.proj = RowLinear(cfg.d_model, cfg.d_model, init_std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
     def forward(self, x, cos, sin, doc_ids, cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        # Shapes come from the projection's output: under tensor/sequence parallelism it holds this
+        # rank's heads and the whole sequence while x may hold a slice of the sequence.
+        q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
+        T = q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = attention(q, k, v, doc_ids)
@@ -117,7 +119,7 @@ class Attention(nn.Module):
             keys, values = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
             mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril_(start)
             y = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.proj(y.transpose(1, 2).flatten(2))
 
 
 class SwiGLU(nn.Module):

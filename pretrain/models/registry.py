@@ -39,10 +39,8 @@ def count_parameters(model) -> dict[str, int]:
     """total / embedding / non_embedding parameter counts of a model (works on the meta device).
 
     Shared (tied) tensors count once; the token embedding and an untied output head count as
-    embedding. Recognised by their facade classes, so every architecture is counted the same way.
+    embedding. Recognised by their facades' `counts_as_embedding`, so every architecture is counted the same way.
     """
-    from parallel.layers import LMHead, VocabEmbedding
-
     seen, total, embedding = set(), 0, 0
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -50,7 +48,7 @@ def count_parameters(model) -> dict[str, int]:
                 continue
             seen.add(id(p))
             total += p.numel()
-            if isinstance(module, (VocabEmbedding, LMHead)):
+            if getattr(module, "counts_as_embedding", False):
                 embedding += p.numel()
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
 

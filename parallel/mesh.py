@@ -1,0 +1,94 @@
+"""The process layout of a run: tensor-parallel x data-parallel groups, set up once per process.
+
+    layout = setup_layout(cfg.parallel)      # after init_distributed, before the model is built
+    layout.tp_group, layout.dp_rank, ...
+
+Ranks are ordered as megatron-core orders them (tp fastest: rank = dp_rank * tp + tp_rank). When a
+run uses megatron-core at all (TP > 1, its layers forced at TP = 1, or its DDP), megatron's
+parallel_state is initialised and its groups are ours; otherwise every rank is its own TP group and
+the data-parallel group is the whole world, with no megatron import.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Layout:
+    tp: int = 1
+    dp: int = 1
+    tp_rank: int = 0
+    dp_rank: int = 0
+    sp: bool = False  # sequence parallelism inside the TP group
+    megatron: bool = False  # megatron-core's parallel_state is initialised and its layers are used
+    tp_group: Any = None  # None = no group (size 1)
+    dp_group: Any = None  # None = the default group (or no process group at all)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+
+_LAYOUT = Layout()
+
+
+def layout() -> Layout:
+    return _LAYOUT
+
+
+def uses_megatron(parallel) -> bool:
+    return parallel.tp > 1 or parallel.megatron_layers or parallel.data_parallel == "megatron"
+
+
+def _ensure_process_group(timeout_s: float) -> None:
+    """megatron-core needs a process group even for one process: a private one-rank gloo group."""
+    if dist.is_initialized():
+        return
+    import tempfile
+
+    store = os.path.join(tempfile.mkdtemp(prefix="pg-"), "store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def setup_layout(parallel) -> Layout:
+    """Build the groups `parallel` (a ParallelConfig) asks for; the world must be tp x dp ranks."""
+    global _LAYOUT
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if world % parallel.tp:
+        raise ValueError(f"parallel.tp={parallel.tp} does not divide the {world} ranks of this job")
+    if not uses_megatron(parallel):
+        _LAYOUT = Layout(tp=1, dp=world, dp_rank=rank)
+        return _LAYOUT
+    _ensure_process_group(parallel.timeout_s)
+    from parallel import cpu_shim
+
+    cpu_shim.install()
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=1,
+                                     distributed_timeout_minutes=max(1, int(parallel.timeout_s // 60)))
+    tp_group = ps.get_tensor_model_parallel_group()
+    _LAYOUT = Layout(tp=parallel.tp, dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                     dp_rank=ps.get_data_parallel_rank(), sp=parallel.sp, megatron=True, tp_group=tp_group,
+                     dp_group=ps.get_data_parallel_group())
+    return _LAYOUT
+
+
+def teardown_layout() -> None:
+    """Forget the layout (tests run several layouts in one process)."""
+    global _LAYOUT
+    if _LAYOUT.megatron:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    _LAYOUT = Layout()
+
