@@ -185,6 +185,51 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return rng
 
 
+class LocalState:
+    """The checkpoint view of a model and optimizer living whole in this process (or replicated by
+    DDP): FQN-keyed state through torch's get_/set_*_state_dict. Engines that shard or wrap the
+    model provide their own object with the same five members (see parallel/engine.py); every one
+    hands over full, unsharded tensors keyed by the single-device model's names, which is what makes
+    a checkpoint loadable under any layout."""
+
+    def __init__(self, model, optimizer=None):
+        self.model, self.optimizer = model, optimizer
+        self.has_optimizer = optimizer is not None
+
+    def get_state(self) -> tuple[dict, dict | None]:
+        """(model state, optimizer state dict {"state", "param_groups"} or None), FQN-keyed."""
+        if self.optimizer is None:
+            return get_model_state_dict(self.model), None
+        had_state = bool(self.optimizer.state)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        if not had_state:  # get_state_dict initialised it with a zero-lr step: undo, save it empty
+            self.optimizer.state.clear()
+            optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
+        return model_sd, optim_sd
+
+    def model_template(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def optim_template(self) -> dict:
+        # DSD creates a fresh optimizer's lazy state for DCP to load into, but only without grads
+        self.optimizer.zero_grad(set_to_none=True)
+        return get_optimizer_state_dict(self.model, self.optimizer)["state"]
+
+    def set_state(self, model_sd: dict, optim_state: dict, groups: list | None) -> None:
+        set_model_state_dict(self.model, model_sd)
+        if groups is not None:
+            if not optim_state:
+                self.optimizer.state.clear()
+            set_optimizer_state_dict(self.model, self.optimizer, {"state": optim_state, "param_groups": groups})
+
+
+def as_state(model, optimizer=None):
+    """`model` itself when it is already a checkpoint view (an engine's), else LocalState."""
+    if hasattr(model, "get_state") and hasattr(model, "model_template"):
+        return model
+    return LocalState(model, optimizer)
+
+
 def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_last: int = 2,
                     keep_every: int = 0) -> str:
     """Write checkpoint `step` atomically, point `latest` at it, apply retention; return its path.
@@ -203,15 +248,11 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
         if key in meta and meta[key] != value:
             raise ValueError(f"meta[{key!r}] is {meta[key]!r} but the checkpoint's {key} is {value!r}")
     meta_text = _to_json({**meta, "schema_version": SCHEMA_VERSION, "step": step}, "meta")
+    target = as_state(model, optimizer)
     state: dict = {"rng": _rng_state()}
-    if optimizer is None:
-        state["model"] = get_model_state_dict(model)
-    else:
-        had_state = bool(optimizer.state)
-        state["model"], optim_sd = get_state_dict(model, optimizer)
-        if not had_state:  # get_state_dict initialised it with a zero-lr step: undo, save it empty
-            optimizer.state.clear()
-        elif optim_sd["state"]:
+    state["model"], optim_sd = target.get_state()
+    if optim_sd is not None:
+        if optim_sd["state"]:
             state["optim"] = {"state": optim_sd["state"]}
         groups = [{k: _encode(v) for k, v in g.items()} for g in optim_sd["param_groups"]]
         groups_text = _to_json({"param_groups": groups}, "the optimizer's param_groups")
@@ -240,7 +281,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
         if not leader:
             dist.barrier()  # returns once rank 0 has published the checkpoint
             return final
-        if optimizer is not None:
+        if optim_sd is not None:
             _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
         _write_file(os.path.join(tmp, META_FILE), meta_text)  # last: its presence marks completeness
         for dirpath, _, files in os.walk(tmp):
@@ -330,10 +371,12 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     if expect_arch is not None and arch != expect_arch:
         raise CheckpointError(f"checkpoint {path} holds model.arch {arch!r}, the config asks for {expect_arch!r}")
     saved = md.state_dict_metadata
-    state = {"model": get_model_state_dict(model)}
+    target = as_state(model, optimizer)
+    state = {"model": target.model_template()}
     _check(path, saved, state)  # before the optimizer's lazy state gets created below
     has_optim = any(k.startswith("optim.") for k in saved)
-    if optimizer is not None:
+    groups = None
+    if target.has_optimizer:
         try:
             with open(os.path.join(path, OPTIM_FILE)) as f:
                 groups = [{k: _decode(k, v) for k, v in g.items()} for g in json.load(f)["param_groups"]]
@@ -341,9 +384,8 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved without one)") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"checkpoint {path} has an unreadable {OPTIM_FILE} ({_first_line(e)})") from None
-        if has_optim:  # (none if saved before the first step.) DSD creates a fresh optimizer's lazy
-            optimizer.zero_grad(set_to_none=True)  # state for DCP to load into, but only without grads
-            state["optim"] = {"state": get_optimizer_state_dict(model, optimizer)["state"]}
+        if has_optim:  # (none if saved before the first step.)
+            state["optim"] = {"state": target.optim_template()}
     if restore_rng:
         if "rng.torch_cpu" not in saved:
             raise CheckpointError(f"checkpoint {path} holds no RNG state")
@@ -352,12 +394,7 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     try:
         with _dcp_call() as kw:
             dcp.load(state, checkpoint_id=path, **kw)
-        set_model_state_dict(model, state["model"])
-        if optimizer is not None:
-            if not has_optim:
-                optimizer.state.clear()
-            optim_state = state["optim"]["state"] if has_optim else {}
-            set_optimizer_state_dict(model, optimizer, {"state": optim_state, "param_groups": groups})
+        target.set_state(state["model"], state["optim"]["state"] if "optim" in state else {}, groups)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} could not be loaded ({_first_line(e)})") from None
     if restore_rng:

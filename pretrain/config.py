@@ -23,24 +23,44 @@ class ConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1  # tensor-parallel size
+    tp: int = 1  # tensor-parallel size (megatron-core layers); the world is tp x data-parallel ranks
     pp: int = 1  # pipeline-parallel size
-    sp: bool = False  # sequence parallelism (with tp > 1)
-    zero_stage: int = 0  # DeepSpeed ZeRO stage; 0 = plain data parallel
-    data_parallel: str = "ddp"  # engine over data-parallel ranks: ddp (torch DDP)
+    sp: bool = False  # sequence parallelism inside the TP group (needs tp > 1)
+    data_parallel: str = "ddp"  # engine over data-parallel ranks: ddp (torch) | megatron | deepspeed
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 1, 2 or 3 (with data_parallel=deepspeed; 0 otherwise)
+    distributed_optimizer: bool = False  # megatron-core's sharded optimizer (with data_parallel=megatron)
+    megatron_layers: bool = False  # use megatron-core's layers even at tp=1 (testing, overhead benchmark)
+    recompute: str = "none"  # activation checkpointing: none | full (the architecture's recompute units)
     timeout_s: float = 600.0  # collective timeout: a stuck rank is reported after this long
 
     def validate(self) -> None:
-        for name in ("tp", "pp"):
-            if getattr(self, name) != 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not supported yet (only 1); "
-                                  "tensor and pipeline parallelism arrive with the parallelism issue")
-        if self.sp:
-            raise ConfigError("parallel.sp=true needs parallel.tp > 1, which is not supported yet")
-        if self.zero_stage != 0:
-            raise ConfigError(f"parallel.zero_stage={self.zero_stage} is not supported yet (only 0)")
-        if self.data_parallel != "ddp":
-            raise ConfigError(f"parallel.data_parallel={self.data_parallel!r} is not supported yet (only 'ddp')")
+        if self.tp < 1:
+            raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
+        if self.pp != 1:
+            raise ConfigError(f"parallel.pp={self.pp} is not supported yet (only 1); pipeline parallelism "
+                              "arrives with the pipeline issue")
+        if self.sp and self.tp == 1:
+            raise ConfigError("parallel.sp=true splits the sequence over the tensor-parallel group: it needs "
+                              "parallel.tp > 1")
+        engines = ("ddp", "megatron", "deepspeed")
+        if self.data_parallel not in engines:
+            raise ConfigError(f"parallel.data_parallel must be one of {', '.join(engines)}, got {self.data_parallel!r}")
+        if self.data_parallel == "deepspeed":
+            if self.zero_stage not in (1, 2, 3):
+                raise ConfigError(f"parallel.zero_stage must be 1, 2 or 3 with parallel.data_parallel=deepspeed, "
+                                  f"got {self.zero_stage}")
+            if self.tp > 1 or self.megatron_layers:
+                raise ConfigError(f"parallel.data_parallel=deepspeed (ZeRO-{self.zero_stage}) with megatron-core "
+                                  "tensor parallelism is not supported (not shown to work); use "
+                                  "parallel.data_parallel=megatron with parallel.distributed_optimizer=true")
+        elif self.zero_stage != 0:
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage} needs parallel.data_parallel=deepspeed "
+                              f"(got {self.data_parallel!r})")
+        if self.distributed_optimizer and self.data_parallel != "megatron":
+            raise ConfigError("parallel.distributed_optimizer=true is megatron-core's: it needs "
+                              "parallel.data_parallel=megatron")
+        if self.recompute not in ("none", "full"):
+            raise ConfigError(f"parallel.recompute must be none or full, got {self.recompute!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
 
@@ -154,14 +174,23 @@ class RunConfig:
 
         self.model.validate()
         spec = get_arch(self.model.arch)
-        # Features whose registry field is still empty are refused by name, before anything runs.
+        self.parallel.validate()
+        # The architecture's support matrix (its registry entry), before any process group exists.
+        refuse = spec.supports.refusal(self.parallel)
+        if refuse:
+            raise ConfigError(f"model.arch {spec.name!r}: {refuse}")
         if self.parallel.pp > 1 and spec.pipeline_split is None:
             raise ConfigError(f"parallel.pp={self.parallel.pp}: model.arch {spec.name!r} has no pipeline split "
                               "in its registry entry")
-        if not spec.supports.tp and self.parallel.tp > 1:
-            raise ConfigError(f"parallel.tp={self.parallel.tp}: model.arch {spec.name!r} does not support tensor "
-                              f"parallelism ({spec.supports.reasons.get('tp', 'see its registry entry')})")
-        self.parallel.validate()
+        if self.parallel.recompute != "none" and spec.recompute_units is None:
+            raise ConfigError(f"parallel.recompute={self.parallel.recompute}: model.arch {spec.name!r} names no "
+                              "recompute units in its registry entry")
+        for name, size in spec.tp_dims(self.model).items() if spec.tp_dims else ():
+            if size % self.parallel.tp:
+                raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide {name} = {size}")
+        if self.train.compile and self.parallel.data_parallel != "ddp":
+            raise ConfigError(f"train.compile=true is supported with parallel.data_parallel=ddp only; set "
+                              f"train.compile=false for {self.parallel.data_parallel}")
         if check_data:
             self.data.validate()
         self.optim.validate()

@@ -18,15 +18,18 @@ from contextlib import nullcontext
 
 import torch
 
-from parallel.data_parallel import all_reduce_sum, no_sync, world, wrap_data_parallel
+from parallel.data_parallel import all_reduce_sum, world
 from parallel.dist import detect_env, init_distributed, rank_logger
+from parallel.engine import build_engine
+from parallel.mesh import setup_layout
+from parallel.recompute import apply_recompute
 from pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_vocab, train_dataset, valid_dataset
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch
-from pretrain.optim import build_optimizer, clip_grad_norm, lr_at, set_lr
+from pretrain.optim import lr_at
 
 
 class NonFiniteLossError(RuntimeError):
@@ -86,7 +89,9 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         env = init_distributed(detect_env(), timeout_s=cfg.parallel.timeout_s)
-        self.rank, self.dp_size = env.rank, env.world_size
+        self.rank = env.rank
+        self.layout = setup_layout(cfg.parallel)
+        self.dp_rank, self.dp_size = world()
         self.log = rank_logger(t.run_dir if env.world_size > 1 else None, env, echo=log)
         if t.global_batch_seqs % (t.micro_batch_seqs * self.dp_size):
             raise ValueError(f"train.global_batch_seqs {t.global_batch_seqs} is not divisible by "
@@ -98,10 +103,10 @@ class Trainer:
         check_vocab(cfg.data.train + cfg.data.valid, cfg.model.vocab_size)
 
         torch.manual_seed(t.seed)
-        self.model = self.spec.build(cfg.model).to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.wrapped = wrap_data_parallel(self.model, cfg.parallel.data_parallel)
-        self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
+        self.model = self.spec.build(cfg.model).to(self.device)  # built under the layout: TP facades split it
+        if cfg.parallel.recompute == "full":
+            apply_recompute(self.spec.recompute_units(self.model))
+        self.engine = build_engine(self.model, cfg)
         self.step, self.consumed = 0, 0
         self.collate = collator_for(cfg.data)
         self.train_data = train_dataset(cfg.data)
@@ -128,13 +133,13 @@ class Trainer:
         if not self.cfg.checkpoint.resume:  # starting over would delete that run's checkpoints
             raise ValueError(f"{self.run_dir} already holds checkpoints ({os.path.basename(path)}) and "
                              "checkpoint.resume=false; choose another train.name or train.run_dir, or delete it")
-        meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True, expect_arch=self.cfg.model.arch)
+        meta = load_checkpoint(path, self.engine, restore_rng=True, expect_arch=self.cfg.model.arch)
         self.step, self.consumed = int(meta["step"]), int(meta["consumed_samples"])
         self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed")
 
     def _loader(self):
         t, data = self.cfg.train, self.cfg.data
-        sampler = GlobalBatchSampler(t.global_batch_seqs, t.micro_batch_seqs, self.rank, self.dp_size,
+        sampler = GlobalBatchSampler(t.global_batch_seqs, t.micro_batch_seqs, self.dp_rank, self.dp_size,
                                      consumed_samples=self.consumed)
         kwargs = dict(num_workers=data.num_workers, pin_memory=self.device.type == "cuda")
         if data.num_workers:
@@ -151,7 +156,7 @@ class Trainer:
         meta = {"consumed_samples": self.consumed, "config": self.cfg.to_dict(),
                 "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None}
         c = self.cfg.checkpoint
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, meta, c.keep_last, c.keep_every)
+        return save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every)
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -175,17 +180,18 @@ class Trainer:
         weights = tokens * (self.dp_size / total)
         step_loss = torch.zeros((), device=self.device)
         window["data"] += time.perf_counter() - t0
+        engine = self.engine
         for i, batch in enumerate(micro):
             t1 = time.perf_counter()
-            with no_sync(self.wrapped, i == n_micro - 1):
+            with engine.accumulating(last=i == n_micro - 1):
                 with self._autocast():
-                    loss, _ = self.forward(batch)
+                    loss, _ = engine.forward(batch)
                 t2 = time.perf_counter()
-                (loss * weights[i]).backward()
+                engine.backward(loss * weights[i])
             step_loss += loss.detach() * (weights[i] / self.dp_size)
             window["forward"] += t2 - t1
             window["backward"] += time.perf_counter() - t2
-        return step_loss, clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        return step_loss, engine.finish_grads(self.cfg.optim.grad_clip)
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -208,21 +214,26 @@ class Trainer:
         try:
             while self.step < t.max_steps:
                 lr = lr_at(self.step, t.max_steps, cfg.optim, cfg.schedule)
-                set_lr(self.optimizer, lr)
+                self.engine.set_lr(lr)
                 step_loss, grad_norm = self._train_step(batches, n_micro, window)
                 t3 = time.perf_counter()
                 # The reduced gradients' norm is the same on every rank, so all ranks agree on a skip;
-                # the check is a sync, free on CPU, and NaNs must not reach the weights.
-                if not torch.isfinite(grad_norm):
+                # the check is a sync, free on CPU, and NaNs must not reach the weights. Without a norm
+                # before the step, the loss summed over ranks stands in for it.
+                health = grad_norm if grad_norm is not None else all_reduce_sum(step_loss.clone(), "loss check")
+                if not torch.isfinite(health):
                     if t.nan_policy == "stop":
                         raise NonFiniteLossError(
                             f"non-finite loss {step_loss.item()} at step {self.step + 1} (lr {lr:.3e}, grad norm "
-                            f"{grad_norm.item():.3e}); the last checkpoint is intact. Lower optim.lr, check "
+                            f"{health.item():.3e}); the last checkpoint is intact. Lower optim.lr, check "
                             "the data, or set train.nan_policy=skip")
                     self.log(f"step {self.step + 1}: non-finite loss, step skipped (train.nan_policy=skip)")
+                    grad_norm = health
                 else:
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                    self.engine.step()
+                    if grad_norm is None:
+                        grad_norm = self.engine.grad_norm_after_step()
+                self.engine.zero_grad()
                 window["optimizer"] += time.perf_counter() - t3
                 self.step += 1
                 self.consumed += t.global_batch_seqs
@@ -272,7 +283,7 @@ class Trainer:
         return {
             "step": self.step, "loss": float(w["loss"]) / steps, "lr": lr, "grad_norm": float(grad_norm),
             "tokens_per_s": tokens_per_s, "tflops": tflops,
-            "mfu": tflops / (self.peak_tflops * self.dp_size) if self.peak_tflops else 0.0,  # peak is per rank
+            "mfu": tflops / (self.peak_tflops * self.layout.world) if self.peak_tflops else 0.0,  # peak is per rank
             "memory_gb": memory_gb(self.device), "time_split": {k: v / busy for k, v in parts.items()},
             "eta_s": (self.cfg.train.max_steps - self.step) * elapsed / steps,
             "consumed_samples": self.consumed, "tokens": self.consumed * self.cfg.data.seq_len,

@@ -200,6 +200,10 @@ def step(model: TransformerPP, tokens: Tensor, state: KVCache) -> tuple[Tensor, 
     return model.head.logits(model.hidden(tokens, positions, None, state)), state
 
 
+def tp_dims(cfg: BaselineConfig) -> dict[str, int]:
+    return {"model.n_heads": cfg.n_heads, "model.ffn_hidden": cfg.ffn, "model.vocab_size": cfg.vocab_size}
+
+
 SPEC = register(ArchSpec(
     name="baseline",
     config_cls=BaselineConfig,
@@ -207,4 +211,6 @@ SPEC = register(ArchSpec(
     flops_per_token=flops_per_token,
     new_state=new_state,
     step=step,
+    tp_dims=tp_dims,
+    recompute_units=lambda model: list(model.blocks),
 ))

@@ -18,6 +18,17 @@ class Support:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     reasons: dict[str, str] = field(default_factory=dict)  # feature -> why it is refused
 
+    def refusal(self, parallel) -> str | None:
+        """Why this architecture cannot run under `parallel` (a ParallelConfig), or None."""
+        asks = [("tp", parallel.tp > 1 and not self.tp, f"parallel.tp={parallel.tp}"),
+                ("sp", parallel.sp and not self.sp, "parallel.sp=true"),
+                ("pp", parallel.pp > 1 and not self.pp, f"parallel.pp={parallel.pp}"),
+                ("zero", parallel.zero_stage not in self.zero_stages, f"parallel.zero_stage={parallel.zero_stage}")]
+        for feature, refused, setting in asks:
+            if refused:
+                return f"{setting} is not supported ({self.reasons.get(feature, 'see its registry entry')})"
+        return None
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -28,6 +39,8 @@ class ArchSpec:
     new_state: Callable[[Any, int], Any]  # (model, batch size) -> empty streaming cache
     step: Callable[[Any, Any, Any], tuple[Any, Any]]  # (model, tokens [B, n], state) -> (logits, state)
     supports: Support = Support()
+    # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; each must divide by parallel.tp
+    tp_dims: Callable[[Any], dict[str, int]] | None = None
     activation_bytes: Callable[[Any, int, int, str], int] | None = None
     # Optional until the issue that needs them lands; validate() refuses a feature whose field is None.
     pipeline_split: Callable[[Any, int], list] | None = None
