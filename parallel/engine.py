@@ -76,7 +76,10 @@ class FullState:
                     self.sharded[f"{module_name}.{name}" if module_name else name] = p
 
     def _map(self, model_sd: dict, optim_state: dict | None, fn) -> tuple[dict, dict | None]:
-        model_sd = {k: fn(v, self.sharded[k]) if k in self.sharded else v for k, v in model_sd.items()}
+        # (megatron's layers add `_extra_state: None` entries, which hold nothing; they are left out
+        # and recreated by megatron's load hook)
+        model_sd = {k: fn(v, self.sharded[k]) if k in self.sharded else v for k, v in model_sd.items()
+                    if isinstance(v, torch.Tensor)}
         if optim_state is not None:
             optim_state = {k: {n: fn(v, self.sharded[k]) if k in self.sharded and v.dim() else v
                                for n, v in s.items()} for k, s in optim_state.items()}

@@ -36,7 +36,7 @@ class ColumnLinear(nn.Linear):
     counts_as_embedding = False
 
     def __new__(cls, *args, **kwargs):
-        if layout().megatron:
+        if layout().megatron_layers:
             return _megatron_linear(cls is RowLinear, *args, **kwargs)
         return super().__new__(cls)
 
@@ -64,7 +64,7 @@ class VocabEmbedding(nn.Embedding):
     counts_as_embedding = True
 
     def __new__(cls, *args, **kwargs):
-        if layout().megatron:
+        if layout().megatron_layers:
             return _megatron_embedding(*args, **kwargs)
         return super().__new__(cls)
 
@@ -90,7 +90,7 @@ class LMHead(nn.Module):
         lay = layout()
         if tied is not None:
             self.weight = tied.weight
-        elif not lay.megatron:
+        elif not lay.megatron_layers:
             self.weight = nn.Parameter(torch.empty(vocab_size, dim))
             nn.init.normal_(self.weight, mean=0.0, std=init_std)
         else:  # the full matrix from the generator, then this rank's rows (as megatron's embedding does)
@@ -103,7 +103,7 @@ class LMHead(nn.Module):
 
     def _local_logits(self, h: Tensor) -> Tensor:
         lay = layout()
-        if not lay.megatron:
+        if not lay.megatron_layers:
             return F.linear(h, self.weight).float()
         from megatron.core.tensor_parallel import mappings
 
@@ -117,7 +117,7 @@ class LMHead(nn.Module):
         """[..., dim] -> [..., vocab] in float32 (softmax statistics need it under bf16)."""
         logits = self._local_logits(h)
         lay = layout()
-        if lay.megatron and lay.tp > 1:
+        if lay.megatron_layers and lay.tp > 1:
             from megatron.core.tensor_parallel import mappings
 
             logits = mappings.gather_from_tensor_model_parallel_region(logits, group=lay.tp_group)
@@ -126,7 +126,7 @@ class LMHead(nn.Module):
     def loss(self, h: Tensor, labels: Tensor, loss_mask: Tensor | None = None) -> Tensor:
         """Mean cross-entropy over the positions where loss_mask is True (all when None)."""
         logits = self._local_logits(h)
-        if layout().megatron:
+        if layout().megatron_layers:
             from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
             per_token = vocab_parallel_cross_entropy(logits.contiguous(), labels).reshape(-1)

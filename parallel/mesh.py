@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 
@@ -26,7 +25,8 @@ class Layout:
     tp_rank: int = 0
     dp_rank: int = 0
     sp: bool = False  # sequence parallelism inside the TP group
-    megatron: bool = False  # megatron-core's parallel_state is initialised and its layers are used
+    megatron: bool = False  # megatron-core's parallel_state is initialised (its groups are these)
+    megatron_layers: bool = False  # the parallel.layers facades build megatron-core's layers
     tp_group: Any = None  # None = no group (size 1)
     dp_group: Any = None  # None = the default group (or no process group at all)
 
@@ -73,12 +73,15 @@ def setup_layout(parallel) -> Layout:
     cpu_shim.install()
     from megatron.core import parallel_state as ps
 
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() != parallel.tp:
+        ps.destroy_model_parallel()  # another layout in the same process (tests)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=1,
                                      distributed_timeout_minutes=max(1, int(parallel.timeout_s // 60)))
     tp_group = ps.get_tensor_model_parallel_group()
     _LAYOUT = Layout(tp=parallel.tp, dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
-                     dp_rank=ps.get_data_parallel_rank(), sp=parallel.sp, megatron=True, tp_group=tp_group,
+                     dp_rank=ps.get_data_parallel_rank(), sp=parallel.sp, megatron=True,
+                     megatron_layers=parallel.tp > 1 or parallel.megatron_layers, tp_group=tp_group,
                      dp_group=ps.get_data_parallel_group())
     return _LAYOUT
 

@@ -62,8 +62,10 @@ def _first_line(e: BaseException) -> str:
         e = next(iter(e.failures.values()))[0]
     if isinstance(e, pickle.UnpicklingError):  # torch.load's message would suggest weights_only=False
         return "UnpicklingError: damaged data"
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:200]}" if lines else type(e).__name__
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):  # a heading ("Error(s) in loading state_dict for X:")
+        lines = [f"{lines[0]} {lines[1]}"]
+    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
 
 
 @contextlib.contextmanager

@@ -35,3 +35,32 @@ def tiny_overrides(tmp_path, prefix, **extra):
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
+
+
+def train_run(tmp, corpus, run, steps, extra=(), arch_config="baseline/tiny"):
+    """A short run with a constant lr after one warm-up step (so runs of 3 and 5 steps share their lrs);
+    returns (last record, {name: full parameter as numpy}) gathered through the engine's checkpoint view
+    (layout-free: the same names and shapes under every layout). Every rank of a layout calls it."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+
+    over = tiny_overrides(tmp, corpus, **{"train.run_dir": f"{tmp}/{run}", "train.max_steps": steps,
+                                          "train.eval_every": 0, "checkpoint.every": 0,
+                                          "schedule.warmup_steps": 1, "train.threads": 1,
+                                          "schedule.kind": "constant"})
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(load_config(arch_config, over + list(extra)), log=lambda *_: None)
+        record = trainer.fit()
+        model_sd, _ = trainer.engine.get_state()
+    finally:
+        torch.set_num_threads(threads)
+    return record, {k: v.detach().numpy().copy() for k, v in model_sd.items()}
+
+
+def step_losses(run_dir) -> dict:
+    from pretrain.metrics import read_metrics
+
+    return {r["step"]: r["loss"] for r in read_metrics(str(run_dir))}

@@ -1,0 +1,283 @@
+"""DeepSpeed ZeRO stage 1/2/3 behind the trainer's Engine interface (parallel/engine.py).
+
+    engine = DeepSpeedEngine(model, cfg)   # cfg.parallel.data_parallel == "deepspeed"
+
+Our own AdamW (pretrain.optim.build_optimizer, with its weight-decay groups) is handed to
+deepspeed.initialize, which flattens and partitions it: ZeRO-1 shards the optimizer state, ZeRO-2
+also the reduced gradients, ZeRO-3 also the parameters. fp32 throughout.
+
+Gradient scaling. The trainer already weights each micro batch's loss by its share of the global
+batch's tokens times dp, so DeepSpeed must only average over data-parallel ranks (which ZeRO does)
+and must not divide by the accumulation steps again: `backward(loss, scale_wrt_gas=False)`. The
+accumulation boundary is set explicitly per micro batch (`set_gradient_accumulation_boundary`), so
+ZeRO reduces at the last micro batch whatever its internal micro-step counter says, and the one
+`step()` per trainer step is a real optimizer step. Clipping and the grad norm happen inside that
+step (config `gradient_clipping`), so `finish_grads` returns None and the norm is read afterwards.
+
+Checkpoints. The view (get_state / set_state / templates) hands over exactly what
+pretrain.checkpoint.LocalState gives for the same model in one process: full fp32 tensors keyed by
+the model's FQNs, optimizer state {"step", "exp_avg", "exp_avg_sq"} per parameter, and our two
+param groups. It goes through DeepSpeed's full-tensor accessors (deepspeed.utils.safe_get_full_* /
+safe_set_full_*), which are collectives: every rank walks the parameters in the same order.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.engine import Engine
+from parallel.mesh import layout
+from pretrain.optim import build_optimizer, set_lr
+
+INSTALL_HINT = ("parallel.data_parallel=deepspeed needs DeepSpeed: install it after torch with "
+                "`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`")
+
+
+def _import_deepspeed():
+    if not torch.cuda.is_available():  # DeepSpeed would otherwise probe for accelerators and may pick none
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
+    return deepspeed
+
+
+def ds_config(cfg, dp: int) -> dict:
+    """The DeepSpeed config of a RunConfig: its batch sizes, clipping and ZeRO stage, fp32."""
+    t = cfg.train
+    gas = t.global_batch_seqs // (t.micro_batch_seqs * dp)
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_seqs,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": t.micro_batch_seqs * gas * dp,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_allow_untested_optimizer": True,  # our torch AdamW, not one of DeepSpeed's own
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": 2**31 - 1,  # the trainer logs progress
+        "wall_clock_breakdown": False,
+    }
+
+
+def _ensure_process_group(timeout_s: float) -> None:
+    """DeepSpeed's collectives need a process group even for one process: a one-rank gloo group
+    (the trainer creates none for a single process; with several it is reused as is)."""
+    if dist.is_initialized():
+        return
+    from parallel.mesh import _ensure_process_group as one_rank_group
+
+    one_rank_group(timeout_s)
+
+
+def _forwardless_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of modules that have no forward of their own (the LM head is used through
+    .loss()/.logits()). ZeRO-3 gathers a module's parameters in hooks around its forward, so these
+    would stay partitioned (empty) when used; they are registered with the root module instead."""
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if type(module).forward is nn.Module.forward:
+            for p in module.parameters(recurse=False):
+                found[id(p)] = p
+    return list(found.values())
+
+
+class DeepSpeedEngine(Engine):
+    """ZeRO stage cfg.parallel.zero_stage over the data-parallel ranks (the whole world, tp = 1)."""
+
+    name = "deepspeed"
+    has_optimizer = True
+
+    def __init__(self, model: nn.Module, cfg):
+        deepspeed = _import_deepspeed()
+        lay = layout()
+        if lay.tp != 1:
+            raise ValueError("parallel.data_parallel=deepspeed runs with parallel.tp=1 only")
+        _ensure_process_group(cfg.parallel.timeout_s)
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing group
+        self.stage = cfg.parallel.zero_stage
+        self.grad_clip = cfg.optim.grad_clip
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg.optim)
+        # What the checkpoint view needs, captured before DeepSpeed replaces the groups' params
+        # with its flat partitions: each group's parameters (named as named_parameters names a tied
+        # one, i.e. as torch's state-dict helpers do) and its hyperparameter keys.
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.groups = [[(names[id(p)], p) for p in g["params"]] for g in self.optimizer.param_groups]
+        self.group_keys = [[k for k in g if k != "params"] for g in self.optimizer.param_groups]
+        if self.stage == 3:
+            for p in _forwardless_params(model):
+                deepspeed.zero.register_external_parameter(model, p)
+        self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
+                                                config=ds_config(cfg, max(lay.dp, 1)))
+        self.zero = self.ds.optimizer  # the ZeRO wrapper; it steps self.optimizer on its flat partitions
+        self.wrapped = self.ds
+
+    # -- the training step ---------------------------------------------------------------------
+    def accumulating(self, last: bool):
+        """Tell ZeRO whether this micro batch ends the step: it reduces (ZeRO-1) or finishes its
+        bucketed reduce-scatter into the partitioned gradients (ZeRO-2/3) only then."""
+        self.ds.set_gradient_accumulation_boundary(last)
+        return nullcontext()
+
+    def forward(self, batch):
+        return self.ds(batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The trainer's loss weights already make the mean over micro batches; ZeRO averages over ranks.
+        self.ds.backward(loss, scale_wrt_gas=False)
+
+    def finish_grads(self, max_norm: float) -> None:
+        if max_norm != self.grad_clip:
+            raise ValueError(f"DeepSpeed clips to optim.grad_clip={self.grad_clip} inside its step, not {max_norm}")
+        return None
+
+    def step(self) -> None:
+        self.ds.step()  # at the boundary set above: one optimizer step (clip, AdamW, re-gather)
+        self._link_optimizer_state()
+
+    def grad_norm_after_step(self) -> torch.Tensor:
+        norm = self.ds.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else float(norm), dtype=torch.float32)
+
+    def zero_grad(self) -> None:
+        self.zero.zero_grad(set_to_none=True)
+        self.ds.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)  # the torch AdamW that DeepSpeed steps (its groups are ours)
+
+    # -- the checkpoint view -------------------------------------------------------------------
+    def _flat_masters(self) -> list[torch.Tensor]:
+        """The fp32 partitions the inner AdamW holds state for (one per group, or per ZeRO-3 sub-group)."""
+        if self.stage == 3:
+            return list(self.zero.fp32_partitioned_groups_flat)
+        return list(self.zero.single_partition_of_fp32_groups)
+
+    def _full_shape(self, p: torch.Tensor) -> torch.Size:
+        return p.ds_shape if hasattr(p, "ds_shape") else p.shape
+
+    def _full_param(self, p: nn.Parameter) -> torch.Tensor:
+        full = None
+        if p.requires_grad:
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            full = safe_get_full_fp32_param(p)
+        if full is None:  # a frozen parameter has no fp32 master: read the module's own copy
+            with self._gathered(p):
+                full = p.detach().clone()
+        return full.detach().to("cpu", torch.float32).reshape(self._full_shape(p))
+
+    @contextmanager
+    def _gathered(self, p: nn.Parameter, modify: bool = False):
+        """p whole for the duration (a collective under ZeRO-3; with `modify`, rank 0's writes are
+        broadcast and re-partitioned on exit)."""
+        if self.stage != 3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0 if modify else None):
+            yield
+
+    def _state_keys(self) -> list[str]:
+        """AdamW's per-parameter state entries, as torch names them."""
+        amsgrad = any(g.get("amsgrad") for g in self.optimizer.param_groups)
+        return ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+
+    def _param_groups(self) -> list[dict]:
+        return [{**{k: g[k] for k in keys}, "params": [n for n, _ in names]}
+                for g, keys, names in zip(self.optimizer.param_groups, self.group_keys, self.groups)]
+
+    def get_state(self):
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        model_sd, done = {}, {}
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            if isinstance(value, nn.Parameter):
+                if id(value) not in done:  # a tied weight is gathered once and saved under each name
+                    done[id(value)] = self._full_param(value)
+                model_sd[key] = done[id(value)]
+            else:
+                model_sd[key] = value.detach().clone()
+        state = {}
+        inner = self.optimizer.state
+        masters = [m for m in self._flat_masters() if m in inner and inner[m]]
+        if masters:  # nothing before the first step, like a fresh torch AdamW
+            scalars = {k: v.detach().clone() for k, v in inner[masters[0]].items() if v.dim() == 0}
+            for names in self.groups:
+                for name, p in names:
+                    entry = {k: v.clone() for k, v in scalars.items()}
+                    for key in self._state_keys():
+                        if key not in scalars:
+                            full = safe_get_full_optimizer_state(p, key)
+                            entry[key] = full.detach().to("cpu", torch.float32).reshape(self._full_shape(p))
+                    state[name] = entry
+        return model_sd, {"state": state, "param_groups": self._param_groups()}
+
+    def model_template(self) -> dict:
+        return {k: torch.empty(self._full_shape(v), dtype=v.dtype)
+                for k, v in self.model.state_dict(keep_vars=True).items()}
+
+    def optim_template(self) -> dict:
+        return {name: {k: torch.zeros((), dtype=torch.float32) if k == "step"
+                       else torch.empty(self._full_shape(p), dtype=torch.float32) for k in self._state_keys()}
+                for names in self.groups for name, p in names}
+
+    def set_state(self, model_sd: dict, optim_state: dict, groups: list | None) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        params = dict(self.model.named_parameters())
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            if not isinstance(value, nn.Parameter):
+                value.data.copy_(model_sd[key])
+        for name, p in params.items():
+            full = model_sd[name].to(torch.float32)
+            if p.requires_grad:
+                safe_set_full_fp32_param(p, full)  # the fp32 master the optimizer steps
+            with self._gathered(p, modify=True):  # and the module's copy the forward uses
+                p.data.copy_(full.reshape(p.shape).to(p.dtype))
+        if groups is None:
+            return
+        if len(groups) != len(self.optimizer.param_groups):
+            raise ValueError(f"the checkpoint has {len(groups)} optimizer param groups, this optimizer "
+                             f"{len(self.optimizer.param_groups)}")
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        inner = self.optimizer.state
+        masters = self._flat_masters()
+        if not optim_state:
+            for m in masters:
+                inner.pop(m, None)
+            return
+        # A fresh AdamW creates its state lazily at its first step; create it now so that the full
+        # tensors can be scattered into the partitions (AdamW keeps state it finds).
+        first = next(iter(optim_state.values()))
+        for m in masters:
+            inner[m] = {k: (v.detach().clone().to(m.device if self._device_step() else "cpu") if v.dim() == 0
+                            else torch.zeros_like(m)) for k, v in first.items()}
+        self._link_optimizer_state()
+        for names in self.groups:
+            for name, p in names:
+                for key, value in optim_state[name].items():
+                    if value.dim():
+                        safe_set_full_optimizer_state(p, value.to(torch.float32), key)
+
+    def _device_step(self) -> bool:
+        """Fused or capturable AdamW keeps `step` on the parameters' device, the others on the CPU."""
+        return any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
+
+    def _link_optimizer_state(self) -> None:
+        """Map every parameter to its slice of the (new) optimizer state, for the safe_*_optimizer_state
+        accessors. ZeRO-1/2 do it once, right after stepping the first param group, so the slices of
+        the other groups' parameters, whose state does not exist yet, stay unmapped; and state
+        created by set_state is new. Views only, cheap. (ZeRO-3 looks the state up on each access.)"""
+        if self.stage == 3 or not hasattr(self.zero, "_hp_optimizer_states_linked"):
+            return
+        self.zero._hp_optimizer_states_linked = False
+        self.zero._lazy_init_hp_params_optimizer_state()
