@@ -6,11 +6,13 @@ parameters of one process running the same global batch (fp32; summation orders 
 tolerances). Checkpoints written by one layout resume under another (TP1 -> TP2, TP2 -> TP1,
 distributed optimizer -> one process) and the following steps match an uninterrupted run.
 """
+import importlib.util
 import shutil
 
 import numpy as np
 import pytest
 
+import looped_model  # noqa: F401  (registers the test_looped architecture, also in spawned ranks)
 from distributed import run_ranks
 from trainer_helpers import step_losses, train_run, write_markov_corpus
 
@@ -31,6 +33,16 @@ FOUR_RANKS = {
 }
 # fp32 with sums in other orders. Adam divides by sqrt(v), so an element whose gradient is ~0 can move
 # by a visible fraction of one step (lr = 2e-3) on a rounding difference: parameters within 1% of it.
+LOOPED = ["model.arch=test_looped", "model.n_layers=1"]
+LOOPED_ENGINES = {
+    "looped-ddp": [],
+    "looped-megatron": ["parallel.data_parallel=megatron"],
+    "looped-distopt": ["parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"],
+    "looped-tp2-sp": ["parallel.tp=2", "parallel.sp=true"],
+}
+if importlib.util.find_spec("deepspeed"):
+    LOOPED_ENGINES.update({f"looped-zero{z}": ["parallel.data_parallel=deepspeed", f"parallel.zero_stage={z}"]
+                           for z in (1, 2, 3)})
 LOSS_REL, PARAM_ATOL = 1e-5, 2e-5
 
 
@@ -81,10 +93,21 @@ def test_layouts_equal_one_process_and_checkpoints_cross_layouts(tmp_path, corpu
             np.testing.assert_allclose(resumed[k], single5[k], rtol=0, atol=PARAM_ATOL, err_msg=f"{name}: {k}")
 
 
-@pytest.mark.slow
 def test_tp2_by_dp2_equals_one_process(tmp_path, corpus):
     tmp = str(tmp_path)
     _, single = train_run(tmp, corpus, "single", 3, NO_COMPILE)
     results = run_ranks(_layouts_body, 4, args=(tmp, corpus, FOUR_RANKS, {}), timeout=900)
     for name in FOUR_RANKS:
+        _assert_same(tmp, name, results[0][name], step_losses(f"{tmp}/single"), single)
+
+
+def test_a_block_reused_within_a_step_with_recompute_under_every_engine(tmp_path, corpus):
+    """One block applied three times per step, activation checkpointing on: every engine reduces its
+    gradients once and matches one process without recomputation."""
+    tmp = str(tmp_path)
+    _, single = train_run(tmp, corpus, "single", 3, NO_COMPILE + LOOPED)
+    engines = {name: LOOPED + ["parallel.recompute=full"] + extra for name, extra in LOOPED_ENGINES.items()}
+    results = run_ranks(_layouts_body, 2, args=(tmp, corpus, engines, {}), env={"DS_ACCELERATOR": "cpu"},
+                        timeout=900)
+    for name in engines:
         _assert_same(tmp, name, results[0][name], step_losses(f"{tmp}/single"), single)
