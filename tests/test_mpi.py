@@ -1,0 +1,35 @@
+"""A 2-rank start through `mpirun -np 2` reaches the same process groups as torchrun: ranks from
+Open MPI's environment, rank 0's address through mpi4py, gloo collectives, and a TP2 run whose
+losses equal one process's."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from trainer_helpers import step_losses, train_run, write_markov_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun (apt-get install openmpi-bin)")
+def test_mpirun_two_ranks_train_like_torchrun(tmp_path):
+    pytest.importorskip("mpi4py", reason="MPI rank discovery needs mpi4py")
+    pytest.importorskip("megatron.core", reason="the TP2 run needs megatron-core")
+    corpus = write_markov_corpus(tmp_path / "markov")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(PYTHONPATH=f"{ROOT}:{ROOT}/tests", OMP_NUM_THREADS="1")
+    out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
+                          os.path.join(ROOT, "tests", "mpi_probe.py"), str(tmp_path), corpus],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),
+                   key=lambda r: r["rank"])
+    assert [(r["source"], r["rank"], r["world"], r["tp_rank"], r["dp"]) for r in ranks] == \
+        [("mpi", 0, 2, 0, 1), ("mpi", 1, 2, 1, 1)]
+    train_run(str(tmp_path), corpus, "single", 3, ["train.compile=false"])
+    single = step_losses(tmp_path / "single")
+    for r in ranks:
+        assert {int(k): v for k, v in r["losses"].items()} == pytest.approx(single, rel=1e-5)
