@@ -148,12 +148,14 @@ class Engine:
 
     name = "ddp"
 
-    def __init__(self, model: torch.nn.Module, optim_cfg, compile: bool = False):
+    def __init__(self, model: torch.nn.Module, optim_cfg, compile: bool = False, wrap: bool | None = None):
+        """`wrap`: use DDP (default: when there are several data-parallel ranks; the overhead
+        benchmark forces it at one rank)."""
         lay = layout()
         self.model = model
         self.optimizer = build_optimizer(model, optim_cfg)
         self.wrapped = model
-        if lay.dp > 1:
+        if lay.dp > 1 if wrap is None else wrap:
             device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
             self.wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                                      process_group=lay.dp_group)

@@ -12,4 +12,10 @@ fi
 # torch first and pinned: an unpinned torch requirement would pull a multi-GB CUDA build.
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[test,formats]' 2>&1 | grep -v "^WARNING: Location" || true
+# Parallel engines: DeepSpeed is a source package; without build isolation and with its ops left to
+# JIT, it builds against the torch above instead of pulling its own. mpi4py for MPI starts.
+if [ "${SKIP_PARALLEL:-0}" != 1 ]; then
+  DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation \
+    deepspeed mpi4py 2>&1 | grep -v "^WARNING: Location" || true
+fi
 "$VENV/bin/python" -c "import torch, numpy, sentencepiece, data_tools; print('[setup] ok: torch', torch.__version__)"

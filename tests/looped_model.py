@@ -10,7 +10,7 @@ from torch import nn
 
 from parallel.layers import LMHead, VocabEmbedding
 from pretrain.models import baseline
-from pretrain.models.registry import ArchSpec, register
+from pretrain.models.registry import ArchSpec, Support, register
 
 
 @dataclass
@@ -39,4 +39,12 @@ SPEC = register(ArchSpec(
     flops_per_token=lambda cfg, T: cfg.loops * baseline.flops_per_token(cfg, T),
     new_state=baseline.new_state, step=baseline.step, tp_dims=baseline.tp_dims,
     recompute_units=lambda model: [model.block],
+))
+
+# The same model with a restricted support matrix, to test that refusals happen in validate().
+RESTRICTED = register(ArchSpec(
+    name="test_looped_restricted", config_cls=LoopedConfig, build=Looped,
+    flops_per_token=SPEC.flops_per_token, new_state=baseline.new_state, step=baseline.step,
+    supports=Support(tp=False, sp=False, zero_stages=(0, 1, 2),
+                     reasons={"tp": "its time loop is strictly sequential", "zero": "not shown to work yet"}),
 ))

@@ -1,0 +1,179 @@
+"""Step time and communication of each data-parallel engine at world size 1, against the plain trainer.
+
+    PYTHONPATH=. python benchmarks/bench_parallel.py [--steps 5] [--rounds 2] [--layouts plain,ddp,...]
+
+The model of bench_trainer.py (Transformer++ d=512, 8 layers, 8 heads, FFN 1536, vocab 32,000;
+T=256, micro-batch 4, fp32, 2 threads, compile off). Each layout runs in its own process (megatron's
+and DeepSpeed's global state stay apart) for 2 x --steps steps; its step time is that of the second
+window, read from metrics.jsonl. Layouts alternate for --rounds rounds; medians are reported.
+
+    plain           one process, no process group, no wrapper (the reference)
+    ddp             torch DDP forced around the model in a one-rank gloo group
+    megatron-ddp    megatron-core DDP (its grad buffers and optimizer wrapper)
+    megatron-dist   ... with its distributed optimizer
+    megatron-layers megatron-core's column/row/embedding layers at TP=1, CPU shim active, no DDP
+    zero1/2/3       DeepSpeed ZeRO stages
+
+Bytes: every torch.distributed collective called inside the training step is counted (the size of
+its full buffer) and reported per step, next to what the layout implies for N parameters (fp32):
+gradient all-reduce 4N (DDP, megatron DDP); reduce-scatter 4N + all-gather 4N (distributed optimizer,
+ZeRO-1/2); ZeRO-3 also gathers the parameters for the forward and again for the backward (12N in
+all). On n ranks a ring moves 2(n-1)/n of an all-reduce's buffer per rank and (n-1)/n of a
+reduce-scatter's or all-gather's; at world size 1 nothing crosses a wire, but the calls and copies do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+LAYOUTS = {
+    "plain": [],
+    "ddp": [],
+    "megatron-ddp": ["parallel.data_parallel=megatron"],
+    "megatron-dist": ["parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"],
+    "megatron-layers": ["parallel.megatron_layers=true"],
+    "zero1": ["parallel.data_parallel=deepspeed", "parallel.zero_stage=1"],
+    "zero2": ["parallel.data_parallel=deepspeed", "parallel.zero_stage=2"],
+    "zero3": ["parallel.data_parallel=deepspeed", "parallel.zero_stage=3"],
+}
+EXPECTED_N = {"plain": 0, "ddp": 4, "megatron-ddp": 4, "megatron-dist": 8, "megatron-layers": 0, "zero1": 8,
+              "zero2": 8, "zero3": 12}  # bytes per parameter per step implied by the layout
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "_reduce_scatter_base",
+               "_all_gather_base", "all_gather", "reduce_scatter", "broadcast", "reduce")
+
+
+def _count_collectives(counter: dict, active: list) -> None:
+    """Wrap torch.distributed's collectives (before megatron/DeepSpeed import them) to add up bytes."""
+    import torch
+    import torch.distributed as dist
+
+    def size(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        if isinstance(x, (list, tuple)):
+            return sum(size(t) for t in x)
+        return 0
+
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def wrapped(*args, _orig=original, _name=name, **kwargs):
+            if active[0]:
+                tensors = list(args[:2]) + [v for k, v in kwargs.items() if k in ("tensor", "output", "input",
+                                                                                  "output_tensor", "input_tensor")]
+                counter[_name] += max((size(t) for t in tensors), default=0)
+            return _orig(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+
+
+def child(layout: str, prefix: str, steps: int) -> None:
+    counter, active = defaultdict(int), [False]
+    _count_collectives(counter, active)
+    import torch.distributed as dist
+
+    from bench_trainer import overrides
+    from parallel.engine import Engine
+    from pretrain.config import load_config
+    from pretrain.metrics import read_metrics
+    from pretrain.models import count_parameters
+    from pretrain.trainer import Trainer
+
+    workdir = tempfile.mkdtemp(prefix=f"bench-{layout}-")
+    if layout == "ddp":  # a one-rank process group so that DDP really wraps the model
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
+    over = overrides(prefix, workdir, 2 * steps, steps) + ["train.compile=false"] + LAYOUTS[layout]
+    trainer = Trainer(load_config("baseline/xs", over), log=lambda *_: None)
+    if layout == "ddp":
+        trainer.engine = Engine(trainer.model, trainer.cfg.optim, compile=False, wrap=True)
+        # DDP's reducer calls the process group from C++: count its buckets through a comm hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state, bucket):
+            if active[0]:
+                counter["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return allreduce_hook(state, bucket)
+
+        trainer.engine.wrapped.register_comm_hook(None, counting_hook)
+    step_fn, engine_step = trainer._train_step, trainer.engine.step
+    calls = [0]
+
+    def counted_train_step(*a, **k):
+        calls[0] += 1
+        active[0] = calls[0] > steps  # the measured (second) window only
+        try:
+            return step_fn(*a, **k)
+        finally:
+            active[0] = False
+
+    def counted_engine_step():
+        active[0] = calls[0] > steps
+        try:
+            engine_step()
+        finally:
+            active[0] = False
+
+    trainer._train_step, trainer.engine.step = counted_train_step, counted_engine_step
+    trainer.fit()
+    record = [r for r in read_metrics(os.path.join(workdir, "run")) if r["step"] == 2 * steps][0]
+    step_s = trainer.cfg.tokens_per_step / record["tokens_per_s"]
+    params = count_parameters(trainer.model)["total"]
+    print(json.dumps({"step_s": step_s, "params": params,
+                      "bytes": {k: v / steps for k, v in counter.items() if v}}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=5, help="steps per window (two windows per run)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.data, args.steps)
+    from bench_trainer import write_data
+
+    layouts = args.layouts.split(",")
+    unknown = [x for x in layouts if x not in LAYOUTS]
+    if unknown:
+        sys.exit(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+    data = os.path.join(tempfile.mkdtemp(prefix="bench-parallel-"), "tokens")
+    write_data(data, 2_000_000)
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.path.join(ROOT, 'benchmarks')}", DS_ACCELERATOR="cpu")
+    results: dict[str, list] = defaultdict(list)
+    for r in range(args.rounds):
+        for name in layouts:
+            out = subprocess.run([sys.executable, __file__, "--child", name, "--data", data, "--steps", str(args.steps)],
+                                 capture_output=True, text=True, env=env)
+            lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+            if out.returncode or not lines:
+                sys.exit(f"layout {name} failed:\n{out.stderr[-3000:]}")
+            results[name].append(json.loads(lines[-1]))
+            print(f"round {r + 1}: {name:16s} {results[name][-1]['step_s']:.3f} s/step", flush=True)
+    base = statistics.median(x["step_s"] for x in results["plain"]) if "plain" in results else None
+    print(f"\n{'layout':16s} {'s/step':>8s} {'vs plain':>9s} {'bytes/step measured':>20s} {'expected':>12s}  by collective")
+    for name in layouts:
+        step = statistics.median(x["step_s"] for x in results[name])
+        last = results[name][-1]
+        measured = sum(last["bytes"].values())
+        expected = EXPECTED_N[name] * last["params"]
+        ratio = f"{step / base - 1:+8.1%}" if base else "       -"
+        detail = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(last["bytes"].items()))
+        print(f"{name:16s} {step:8.3f} {ratio:>9s} {measured / 1e6:17.1f} MB {expected / 1e6:9.1f} MB  {detail}")
+
+
+if __name__ == "__main__":
+    main()
