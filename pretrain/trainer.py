@@ -300,3 +300,11 @@ class Trainer:
             f"{'fp32' if self.amp_dtype is None else 'bf16 autocast'}, {torch.get_num_threads()} threads | "
             f"peak {self.peak_tflops:.3f} TFLOP/s ({self.peak_source}) | run dir {self.run_dir}"
         )
+        p, lay = cfg.parallel, self.layout
+        engine = {"ddp": "torch DDP" if self.dp_size > 1 else "single process", "megatron": "megatron-core DDP",
+                  "deepspeed": f"DeepSpeed ZeRO-{p.zero_stage}"}[p.data_parallel]
+        if p.distributed_optimizer:
+            engine += " + distributed optimizer"
+        self.log(f"layout: {lay.world} rank(s) = tp {lay.tp}{' (+sp)' if lay.sp else ''} x dp {lay.dp} | {engine}"
+                 f"{' | megatron-core layers' if lay.megatron_layers else ''}"
+                 f"{' | activation recompute: ' + p.recompute if p.recompute != 'none' else ''}")
