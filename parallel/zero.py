@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.engine import Engine
-from parallel.mesh import layout
+from parallel.mesh import _ensure_process_group, layout
 from pretrain.optim import build_optimizer, set_lr
 
 INSTALL_HINT = ("parallel.data_parallel=deepspeed needs DeepSpeed: install it after torch with "
@@ -42,9 +42,14 @@ def _import_deepspeed():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
-    except ImportError:
-        raise ImportError(INSTALL_HINT) from None
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} (import failed: {e})") from None
     return deepspeed
+
+
+# Merged into the config's "zero_optimization" (tests set stage3_param_persistence_threshold=0: ZeRO-3
+# keeps parameters under 1e5 elements whole by default, i.e. every parameter of a tiny test model).
+ZERO_OVERRIDES: dict = {}
 
 
 def ds_config(cfg, dp: int) -> dict:
@@ -56,23 +61,13 @@ def ds_config(cfg, dp: int) -> dict:
         "gradient_accumulation_steps": gas,
         "train_batch_size": t.micro_batch_seqs * gas * dp,
         "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage},
+        "zero_optimization": {"stage": cfg.parallel.zero_stage, **ZERO_OVERRIDES},
         "zero_allow_untested_optimizer": True,  # our torch AdamW, not one of DeepSpeed's own
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
         "steps_per_print": 2**31 - 1,  # the trainer logs progress
         "wall_clock_breakdown": False,
     }
-
-
-def _ensure_process_group(timeout_s: float) -> None:
-    """DeepSpeed's collectives need a process group even for one process: a one-rank gloo group
-    (the trainer creates none for a single process; with several it is reused as is)."""
-    if dist.is_initialized():
-        return
-    from parallel.mesh import _ensure_process_group as one_rank_group
-
-    one_rank_group(timeout_s)
 
 
 def _forwardless_params(model: nn.Module) -> list[nn.Parameter]:
@@ -98,6 +93,8 @@ class DeepSpeedEngine(Engine):
         lay = layout()
         if lay.tp != 1:
             raise ValueError("parallel.data_parallel=deepspeed runs with parallel.tp=1 only")
+        # DeepSpeed's collectives need a process group even for one process, where the trainer makes
+        # none: a private one-rank gloo group. With several ranks the trainer's group is reused as is.
         _ensure_process_group(cfg.parallel.timeout_s)
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing group
         self.stage = cfg.parallel.zero_stage
@@ -116,7 +113,6 @@ class DeepSpeedEngine(Engine):
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
                                                 config=ds_config(cfg, max(lay.dp, 1)))
         self.zero = self.ds.optimizer  # the ZeRO wrapper; it steps self.optimizer on its flat partitions
-        self.wrapped = self.ds
 
     # -- the training step ---------------------------------------------------------------------
     def accumulating(self, last: bool):

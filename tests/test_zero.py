@@ -1,0 +1,308 @@
+"""DeepSpeed ZeRO-1/2/3 (parallel/zero.py) on 2 gloo ranks: the same losses and parameters as one
+process on the same global batch, checkpoints identical in layout to a single process's, and
+checkpoints that move between ZeRO and the plain engine in both directions.
+
+One spawn of 2 ranks runs everything multi-rank (process start-up and the DeepSpeed import dominate):
+ZeRO-1/2/3 for 3 steps each, a single-process checkpoint resumed under ZeRO-2 and ZeRO-3, and an
+engine-level run of a model that applies one block three times under activation checkpointing. ZeRO-3
+runs with stage3_param_persistence_threshold=0: by default it would keep every parameter of these
+tiny models whole (under 1e5 elements), and parameter partitioning would go untested.
+
+Tolerances (fp32): losses rel 1e-5. Parameters after AdamW: the layouts sum gradients in different
+orders, and Adam's normalisation m / sqrt(v) turns the rounding of an element whose gradient is ~0
+into a visible step (up to lr), so a handful of such elements differ by a few 1e-6 while the rest
+agree to ~1e-7: at most 0.1% of the elements may differ by more than 2e-6, none by more than 2e-5.
+Adam moments: rel 1e-3 with an absolute floor of 1e-4 x the tensor's largest element.
+"""
+import os
+import shutil
+import sys
+from dataclasses import fields
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks
+from trainer_helpers import VOCAB, step_losses, train_run, write_markov_corpus
+
+STAGES = (1, 2, 3)
+ZERO = ["parallel.data_parallel=deepspeed", "train.compile=false"]
+CKPT3 = "checkpoints/step_00000003"
+
+
+def _needs_deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed",
+                        reason="needs DeepSpeed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
+
+
+def assert_params_close(got: dict, want: dict, what: str):
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        diff = np.abs(np.asarray(got[k]) - np.asarray(want[k]))
+        assert diff.max() <= 2e-5, f"{what}: {k} differs by {diff.max():.2e}"
+        assert (diff > 2e-6).mean() <= 1e-3, f"{what}: {k}: {(diff > 2e-6).sum()} elements differ by > 2e-6"
+
+
+def assert_moments_close(got, want, what):
+    """Adam moments: gradients that differ by rounding, judged against the tensor's own scale (an
+    element near 0 has no relative precision after the sums of other elements cancel)."""
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * float(np.abs(want).max()), err_msg=what)
+
+
+def _train(tmp, corpus, run, steps, extra=()):
+    """trainer_helpers.train_run with micro batches of 2, so that 2 ranks accumulate 2 per step."""
+    return train_run(tmp, corpus, run, steps, ["train.micro_batch_seqs=2"] + list(extra))
+
+
+# -- a model that applies one block three times per step, with activation checkpointing ------------
+
+class LoopedBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        from parallel.layers import ColumnLinear, RowLinear
+
+        self.up, self.down = ColumnLinear(d, 2 * d), RowLinear(2 * d, d)
+
+    def forward(self, h):
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class LoopedModel(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        from parallel.layers import LMHead, VocabEmbedding
+
+        self.embed = VocabEmbedding(VOCAB, d)
+        self.block = LoopedBlock(d)
+        self.gain = nn.Parameter(torch.ones(d))  # a vector: the no-decay param group
+        self.head = LMHead(d, VOCAB, tied=self.embed)  # used through .loss(), not forward
+
+    def forward(self, batch):
+        h = self.embed(batch.tokens)
+        for _ in range(3):
+            h = self.block(h)
+        return self.head.loss(h * self.gain, batch.labels, batch.loss_mask), {}
+
+
+def looped_batches(n=8, t=12):
+    from pretrain.data.batch import Batch
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (n, t + 1), generator=g)
+    mask = torch.rand(n, t, generator=g) > 0.3  # uneven token counts: the weights matter
+    pos = torch.arange(t).expand(n, t)
+    return Batch(tokens[:, :-1], tokens[:, 1:], mask, torch.zeros(n, t, dtype=torch.int32), pos)
+
+
+def run_looped(engine_cls, stage, rank, world, plan=(True, False, True), micro=2):
+    """The trainer's step (token-weighted micro batches, boundary on the last) on this rank's share of
+    a fixed global batch, stepping or, where `plan` says False, dropping the gradients as the trainer
+    does for a non-finite loss; returns the checkpoint view before the first step and after the last."""
+    from parallel.recompute import apply_recompute
+    from pretrain.data.batch import Batch
+    from pretrain.optim import OptimConfig
+
+    torch.manual_seed(0)
+    model = LoopedModel()
+    apply_recompute([model.block])
+    cfg = SimpleNamespace(optim=OptimConfig(lr=1e-2, min_lr=1e-3, grad_clip=1.0),
+                          parallel=SimpleNamespace(zero_stage=stage, timeout_s=60.0),
+                          train=SimpleNamespace(micro_batch_seqs=micro, global_batch_seqs=8))
+    engine = engine_cls(model, cfg) if stage else engine_cls(model, cfg.optim)
+    full = looped_batches()
+    total = full.loss_mask.sum().float()
+    share = 8 // world
+    mine = [Batch(*(getattr(full, f.name)[rank * share + i:rank * share + i + micro] for f in fields(Batch)))
+            for i in range(0, share, micro)]
+    before = _numpy(engine.get_state())  # now: the plain engine hands over its live tensors
+    for apply in plan:
+        engine.set_lr(1e-2)
+        for i, b in enumerate(mine):
+            with engine.accumulating(last=i == len(mine) - 1):
+                loss, _ = engine.forward(b)
+                engine.backward(loss * (b.loss_mask.sum() * world / total))
+        norm = engine.finish_grads(1.0)
+        if apply:
+            engine.step()
+            norm = engine.grad_norm_after_step() if norm is None else norm
+        engine.zero_grad()
+    return before, _numpy(engine.get_state()), float(norm)
+
+
+def _numpy(tree):
+    """Tensors as numpy arrays (they cross the process boundary; shapes and dtypes stay comparable)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().numpy().copy()
+    if isinstance(tree, dict):
+        return {k: _numpy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_numpy(v) for v in tree)
+    return tree
+
+
+# -- the spawned ranks -------------------------------------------------------------------------------
+
+def _partition_everything():
+    """ZeRO-3 keeps parameters under 1e5 elements whole by default: all of a tiny model's."""
+    from parallel import zero
+
+    zero.ZERO_OVERRIDES["stage3_param_persistence_threshold"] = 0
+
+
+def _zero_body(rank, world_size, tmp, corpus):
+    import torch.distributed as dist
+
+    from parallel.zero import DeepSpeedEngine
+
+    _partition_everything()
+
+    out = {}
+    for stage in STAGES:  # ZeRO-3 with activation checkpointing on
+        recompute = ["parallel.recompute=full"] if stage == 3 else []
+        out[stage] = _train(tmp, corpus, f"zero{stage}", 3, ZERO + [f"parallel.zero_stage={stage}"] + recompute)
+    for stage in (2, 3):  # the single process's step-3 checkpoint, resumed under ZeRO for 2 more steps
+        if rank == 0:
+            shutil.copytree(f"{tmp}/single", f"{tmp}/single_to_zero{stage}")
+        dist.barrier()
+        out[f"from_single{stage}"] = _train(tmp, corpus, f"single_to_zero{stage}", 5,
+                                            ZERO + [f"parallel.zero_stage={stage}"])[1]
+    for stage in STAGES:
+        out[f"looped{stage}"] = run_looped(DeepSpeedEngine, stage, rank, world_size)
+    return out
+
+
+def _one_rank_body(rank, world_size, tmp, corpus):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the engine must make its own one-rank group
+    os.environ.pop("DS_ACCELERATOR", None)  # and choose the CPU accelerator itself
+    _partition_everything()
+    return _train(tmp, corpus, "zero3_one_rank", 3, ZERO + ["parallel.zero_stage=3"])
+
+
+# -- fixtures: the single-process references and the one 2-rank spawn --------------------------------
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    _needs_deepspeed()
+    tmp = str(tmp_path_factory.mktemp("zero"))
+    corpus = write_markov_corpus(f"{tmp}/markov")
+    single = _train(tmp, corpus, "single", 3)
+    single5 = _train(tmp, corpus, "single5", 5)[1]
+    ranks = run_ranks(_zero_body, 2, args=(tmp, corpus), env={"DS_ACCELERATOR": "cpu"}, timeout=600)
+    return SimpleNamespace(tmp=tmp, corpus=corpus, single=single, single5=single5, ranks=ranks)
+
+
+def _flatten(tree, prefix=""):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flatten(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def _checkpoint(path, out):
+    """A DCP checkpoint as {dotted key: tensor} (rng dropped) and its optim.json text."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, out)
+    flat = dict(_flatten(torch.load(out, weights_only=True)))
+    with open(os.path.join(path, "optim.json")) as f:
+        return {k: v for k, v in flat.items() if not k.startswith("rng.")}, f.read()
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+
+def test_zero_stages_equal_one_process(runs):
+    (single_record, single_params), tmp = runs.single, runs.tmp
+    ref_losses = step_losses(f"{tmp}/single")
+    ref_ckpt, ref_groups = _checkpoint(f"{tmp}/single/{CKPT3}", f"{tmp}/single.pt")
+    for stage in STAGES:
+        (rec0, p0), (_, p1) = runs.ranks[0][stage], runs.ranks[1][stage]
+        for k in p0:  # both ranks hand over the same full tensors
+            np.testing.assert_array_equal(p0[k], p1[k])
+        losses = step_losses(f"{tmp}/zero{stage}")
+        assert sorted(losses) == [1, 2, 3]
+        for step in (1, 2, 3):
+            assert losses[step] == pytest.approx(ref_losses[step], rel=1e-5), (stage, step)
+        assert rec0["val_loss"] == pytest.approx(single_record["val_loss"], rel=1e-5)
+        assert rec0["grad_norm"] == pytest.approx(single_record["grad_norm"], rel=1e-4)
+        assert_params_close(p0, single_params, f"ZeRO-{stage}")
+
+        # The checkpoint ZeRO wrote holds what the single process's holds: same keys, shapes, dtypes
+        # (model incl. the tied head.weight, optimizer step/exp_avg/exp_avg_sq per FQN), same groups.
+        ckpt, groups = _checkpoint(f"{tmp}/zero{stage}/{CKPT3}", f"{tmp}/zero{stage}.pt")
+        assert groups == ref_groups
+        assert sorted(ckpt) == sorted(ref_ckpt)
+        for k, want in ref_ckpt.items():
+            got = ckpt[k]
+            assert (got.shape, got.dtype) == (want.shape, want.dtype), k
+            if k.endswith(".step"):
+                assert float(got) == float(want) == 3.0, k
+            elif k.startswith("optim."):  # the moments of gradients that agree to rounding
+                assert_moments_close(got.numpy(), want.numpy(), k)
+
+
+def test_zero3_checkpoint_resumes_in_one_process(runs):
+    """ZeRO-3 (2 ranks) -> plain engine (1 process): 3 + 2 steps equal 5 uninterrupted steps, so the
+    optimizer state came across (without it the moments would restart from zero)."""
+    tmp = runs.tmp
+    shutil.copytree(f"{tmp}/zero3", f"{tmp}/zero3_to_single")
+    _, resumed = _train(tmp, runs.corpus, "zero3_to_single", 5)
+    assert sorted(step_losses(f"{tmp}/zero3_to_single")) == [1, 2, 3, 4, 5]
+    assert_params_close(resumed, runs.single5, "ZeRO-3 -> single")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_single_checkpoint_resumes_under_zero(runs, stage):
+    p0, p1 = (r[f"from_single{stage}"] for r in runs.ranks)
+    for k in p0:
+        np.testing.assert_array_equal(p0[k], p1[k])
+    assert_params_close(p0, runs.single5, f"single -> ZeRO-{stage}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_looped_block_with_recompute_matches_plain_engine(runs, stage):
+    """One block applied three times per step, activation checkpointing, a tied head used through a
+    method: gradients reduced once per step, none left over from a skipped step, and the checkpoint
+    view equals the plain engine's."""
+    from parallel.engine import Engine
+
+    ref_before, ref_after, ref_norm = run_looped(Engine, 0, 0, 1)
+    before, after, norm = runs.ranks[0][f"looped{stage}"]
+    assert before[1]["state"] == {} and before[1]["param_groups"] == ref_before[1]["param_groups"]
+    assert sorted(before[0]) == sorted(ref_before[0]) == ["block.down.weight", "block.up.weight",
+                                                          "embed.weight", "gain", "head.weight"]
+    assert norm == pytest.approx(ref_norm, rel=1e-5)
+    (model, optim), (ref_model, ref_optim) = after, ref_after
+    assert optim["param_groups"] == ref_optim["param_groups"]
+    assert_params_close(model, ref_model, f"looped ZeRO-{stage}")
+    assert sorted(optim["state"]) == sorted(ref_optim["state"])
+    for name, want in ref_optim["state"].items():
+        got = optim["state"][name]
+        assert sorted(got) == sorted(want) == ["exp_avg", "exp_avg_sq", "step"]
+        for k in want:
+            assert (got[k].shape, got[k].dtype) == (want[k].shape, want[k].dtype), f"{name}.{k}"
+            assert_moments_close(got[k], want[k], f"{name}.{k}")
+
+
+def test_zero3_on_one_process_equals_plain(runs):
+    """World size 1 (no process group from the launcher, no DS_ACCELERATOR): the engine makes a one-rank
+    group and picks DeepSpeed's CPU accelerator."""
+    tmp = runs.tmp
+    ((_, params),) = run_ranks(_one_rank_body, 1, args=(tmp, runs.corpus), timeout=300)
+    ref_losses, losses = step_losses(f"{tmp}/single"), step_losses(f"{tmp}/zero3_one_rank")
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert_params_close(params, runs.single[1], "ZeRO-3 on one rank")
+
+
+def test_missing_deepspeed_says_how_to_install(monkeypatch):
+    from parallel.zero import _import_deepspeed
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
+    with pytest.raises(ImportError, match="DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"):
+        _import_deepspeed()
