@@ -60,9 +60,10 @@ def count_parameters(model) -> dict[str, int]:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            total += p.numel()
+            n = getattr(p, "ds_numel", p.numel())  # a ZeRO-3 partitioned parameter reports 0 elements
+            total += n
             if getattr(module, "counts_as_embedding", False):
-                embedding += p.numel()
+                embedding += n
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
 
 
