@@ -157,8 +157,10 @@ class Engine:
         self.wrapped = model
         if lay.dp > 1 if wrap is None else wrap:
             device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
+            # gradient_as_bucket_view: gradients live in DDP's buckets (no copy in and out per step)
             self.wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
-                                                                     process_group=lay.dp_group)
+                                                                     process_group=lay.dp_group,
+                                                                     gradient_as_bucket_view=True)
         self.forward = torch.compile(self.wrapped) if compile else self.wrapped
         self.sp_params = sequence_parallel_params(model)
         self.state = FullState(LocalState(model, self.optimizer), model)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.dist import detect_env
 from parallel.engine import Engine
 from parallel.mesh import _ensure_process_group, layout
 from pretrain.optim import build_optimizer, set_lr
@@ -96,6 +97,9 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed's collectives need a process group even for one process, where the trainer makes
         # none: a private one-rank gloo group. With several ranks the trainer's group is reused as is.
         _ensure_process_group(cfg.parallel.timeout_s)
+        # DeepSpeed insists on LOCAL_RANK, which only torchrun sets: give it the launcher's (srun's,
+        # mpirun's, or 0 for a plain process) as parallel.dist found it
+        os.environ.setdefault("LOCAL_RANK", str(detect_env().local_rank))
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing group
         self.stage = cfg.parallel.zero_stage
         self.grad_clip = cfg.optim.grad_clip

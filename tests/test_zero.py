@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from distributed import run_ranks
-from trainer_helpers import VOCAB, step_losses, train_run, write_markov_corpus
+from trainer_helpers import VOCAB, partition_everything_under_zero3, step_losses, train_run, write_markov_corpus
 
 STAGES = (1, 2, 3)
 ZERO = ["parallel.data_parallel=deepspeed", "train.compile=false"]
@@ -146,19 +146,12 @@ def _numpy(tree):
 
 # -- the spawned ranks -------------------------------------------------------------------------------
 
-def _partition_everything():
-    """ZeRO-3 keeps parameters under 1e5 elements whole by default: all of a tiny model's."""
-    from parallel import zero
-
-    zero.ZERO_OVERRIDES["stage3_param_persistence_threshold"] = 0
-
-
 def _zero_body(rank, world_size, tmp, corpus):
     import torch.distributed as dist
 
     from parallel.zero import DeepSpeedEngine
 
-    _partition_everything()
+    partition_everything_under_zero3()
 
     out = {}
     for stage in STAGES:  # ZeRO-3 with activation checkpointing on
@@ -180,7 +173,10 @@ def _one_rank_body(rank, world_size, tmp, corpus):
 
     assert not dist.is_initialized()  # the engine must make its own one-rank group
     os.environ.pop("DS_ACCELERATOR", None)  # and choose the CPU accelerator itself
-    _partition_everything()
+    os.environ.pop("LOCAL_RANK", None)  # a plain process: no launcher variables at all
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    partition_everything_under_zero3()
     return _train(tmp, corpus, "zero3_one_rank", 3, ZERO + ["parallel.zero_stage=3"])
 
 

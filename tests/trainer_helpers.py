@@ -37,6 +37,14 @@ def tiny_overrides(tmp_path, prefix, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def partition_everything_under_zero3():
+    """ZeRO-3 keeps parameters under 1e5 elements whole by default: all of a tiny model's. Tests split
+    them all, so that ZeRO-3 really gathers and partitions."""
+    from parallel import zero
+
+    zero.ZERO_OVERRIDES["stage3_param_persistence_threshold"] = 0
+
+
 def train_run(tmp, corpus, run, steps, extra=(), arch_config="baseline/tiny"):
     """A short run with a constant lr after one warm-up step (so runs of 3 and 5 steps share their lrs);
     returns (last record, {name: full parameter as numpy}) gathered through the engine's checkpoint view
@@ -50,6 +58,8 @@ def train_run(tmp, corpus, run, steps, extra=(), arch_config="baseline/tiny"):
                                           "train.eval_every": 0, "checkpoint.every": 0,
                                           "schedule.warmup_steps": 1, "train.threads": 1,
                                           "schedule.kind": "constant"})
+    if "parallel.data_parallel=deepspeed" in extra:
+        partition_everything_under_zero3()
     threads = torch.get_num_threads()
     try:
         trainer = Trainer(load_config(arch_config, over + list(extra)), log=lambda *_: None)
