@@ -98,15 +98,11 @@ def child(layout: str, prefix: str, steps: int) -> None:
     trainer = Trainer(load_config("baseline/xs", over), log=lambda *_: None)
     if layout == "ddp":
         trainer.engine = Engine(trainer.model, trainer.cfg.optim, compile=False, wrap=True)
-        # DDP's reducer calls the process group from C++: count its buckets through a comm hook
+        # DDP's reducer calls the process group from C++; torch's Python all-reduce hook routes its
+        # buckets through dist.all_reduce, where they are counted
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        def counting_hook(state, bucket):
-            if active[0]:
-                counter["all_reduce"] += bucket.buffer().numel() * bucket.buffer().element_size()
-            return allreduce_hook(state, bucket)
-
-        trainer.engine.wrapped.register_comm_hook(None, counting_hook)
+        trainer.engine.wrapped.register_comm_hook(None, allreduce_hook)
     step_fn, engine_step = trainer._train_step, trainer.engine.step
     calls = [0]
 
