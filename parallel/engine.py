@@ -69,7 +69,7 @@ class FullState:
 
     def __init__(self, inner, model: torch.nn.Module):
         self.inner, self.has_optimizer = inner, inner.has_optimizer
-        self.sharded = {name: p for name, p in model.named_parameters() if is_tensor_parallel(p)}
+        self.sharded = {}
         for module_name, module in model.named_modules():  # a tied weight is also saved under its other names
             for name, p in module.named_parameters(recurse=False):
                 if is_tensor_parallel(p):

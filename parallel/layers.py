@@ -159,7 +159,9 @@ def _megatron_classes() -> dict[str, type]:
         return _CLASSES
     from megatron.core.tensor_parallel import layers as mp
 
-    class MegatronColumn(mp.ColumnParallelLinear):
+    class TimeMajorUnderSP:
+        """megatron's SP gathers/scatters the first dimension: give it [T, B, ...] and take it back."""
+
         counts_as_embedding = False
 
         def forward(self, x: Tensor) -> Tensor:
@@ -167,13 +169,11 @@ def _megatron_classes() -> dict[str, type]:
                 return super().forward(x)[0]
             return super().forward(x.transpose(0, 1))[0].transpose(0, 1)
 
-    class MegatronRow(mp.RowParallelLinear):
-        counts_as_embedding = False
+    class MegatronColumn(TimeMajorUnderSP, mp.ColumnParallelLinear):
+        pass
 
-        def forward(self, x: Tensor) -> Tensor:
-            if not self.sequence_parallel:
-                return super().forward(x)[0]
-            return super().forward(x.transpose(0, 1))[0].transpose(0, 1)
+    class MegatronRow(TimeMajorUnderSP, mp.RowParallelLinear):
+        pass
 
     class MegatronEmbedding(mp.VocabParallelEmbedding):
         counts_as_embedding = True

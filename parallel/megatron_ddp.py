@@ -11,6 +11,8 @@ that the same checkpoint resumes under the torch or DeepSpeed engines.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
@@ -65,8 +67,6 @@ class MegatronEngine(Engine):
 
     def accumulating(self, last: bool):
         # overlap_grad_reduce is off: gradients accumulate in megatron's buffers until finish_grads
-        from contextlib import nullcontext
-
         return nullcontext()
 
     def finish_grads(self, max_norm: float) -> torch.Tensor:
@@ -97,6 +97,8 @@ class _MegatronState:
     def __init__(self, engine: MegatronEngine):
         self.engine, self.model = engine, engine.model
         self.params = dict(engine.model.named_parameters())  # tied weights once, under their first name
+        # what checkpoints store as param_groups: our AdamW's grouping (built once; it holds no state)
+        self.groups = named_param_groups(self.model, build_optimizer(self.model, engine.cfg.optim))
 
     def _owned(self) -> dict[str, tuple[dict, torch.Tensor, int, int]]:
         """name -> (the torch optimizer state holding it, the tensor that state is keyed by, start and
@@ -117,8 +119,7 @@ class _MegatronState:
 
     def get_state(self):
         model_sd = self.model.state_dict()
-        owned = self._owned()
-        groups = named_param_groups(self.model, build_optimizer(self.model, self.engine.cfg.optim))
+        owned, groups = self._owned(), self.groups
         if not any(key in inner for inner, key, _, _ in owned.values()):
             return model_sd, {"state": {}, "param_groups": groups}
         state = {}
