@@ -69,7 +69,10 @@ def _slurm_tasks_on_node(env) -> int:
 
 
 def default_port(seed: str) -> int:
-    """A rendezvous port that every rank derives alike (e.g. from the Slurm job id)."""
+    """A rendezvous port in 20000-39999 that every rank derives alike from the Slurm job id: consecutive
+    jobs get different ports, so two jobs sharing a first node do not collide."""
+    if seed.isdigit():
+        return 20000 + int(seed) % 20000
     return 20000 + sum(ord(c) * 31**i for i, c in enumerate(seed)) % 20000
 
 

@@ -20,7 +20,7 @@ from parallel import cpu_shim
 from parallel.dist import collective
 from parallel.engine import Engine, FullState, all_reduce_tp_grads, sequence_parallel_params
 from parallel.mesh import layout
-from pretrain.optim import build_optimizer, set_lr
+from pretrain.optim import build_optimizer, kernel_flags, set_lr
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -62,6 +62,13 @@ class MegatronEngine(Engine):
         # do not use (the trainer sets the lr): apply it here, as our AdamW groups do
         for group in self.optimizer.param_groups:
             group["weight_decay"] = o.weight_decay * group.get("wd_mult", 1.0)
+        # without apex or Transformer Engine megatron builds torch's AdamW with no kernel flags, which on
+        # CPU means a per-parameter loop: give it the kernels our own AdamW uses
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if isinstance(opt.optimizer, torch.optim.Adam):  # torch's AdamW is an Adam subclass
+                flags = kernel_flags(o, (p for g in opt.optimizer.param_groups for p in g["params"]))
+                for group in opt.optimizer.param_groups:
+                    group.update(flags)
         self.forward = self.wrapped
         self.state = FullState(_MegatronState(self), model)
 

@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+from pretrain.preemption import EXIT_REQUEUE, StopRequested
+
 _INFO_HELP = """examples:
   pretrain info baseline/xs
   pretrain info configs/baseline/tiny.yaml model.n_layers=8 --json
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info}
     try:
         return handlers[args.verb](args)
+    except StopRequested as e:
+        print(f"pretrain {args.verb}: {e}", file=sys.stderr)
+        return EXIT_REQUEUE
     except KeyboardInterrupt:
         print(f"pretrain {args.verb}: interrupted", file=sys.stderr)
         return 130

@@ -116,6 +116,7 @@ class TrainConfig:
     eval_every: int = 200  # steps between validation passes; 0 = only at the end
     eval_batches: int = 20  # micro batches per validation pass
     nan_policy: str = "stop"  # stop | skip: what a non-finite loss does
+    stop_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # finish the step, checkpoint, exit 75
 
     def validate(self) -> None:
         for name in ("max_steps", "global_batch_seqs", "micro_batch_seqs", "log_every", "eval_batches"):
@@ -131,6 +132,12 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        from pretrain.preemption import signal_numbers
+
+        try:
+            signal_numbers(list(self.stop_signals))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass
@@ -139,8 +146,11 @@ class CheckpointConfig:
     keep_last: int = 2  # newest checkpoints kept
     keep_every: int = 0  # also keep every step that is a multiple of this (milestones); 0 = none
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
+    grace_s: float = 60.0  # a stop signal's checkpoint must be written within this (launchers wait longer)
 
     def validate(self) -> None:
+        if not 0 < self.grace_s < 86400:
+            raise ConfigError(f"checkpoint.grace_s must be between 0 and 86400 seconds, got {self.grace_s}")
         if self.every < 0 or self.keep_every < 0:
             raise ConfigError("checkpoint.every and checkpoint.keep_every must be >= 0")
         if self.keep_last < 1:

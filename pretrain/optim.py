@@ -158,25 +158,30 @@ def fused_unsupported_reason(params: Iterable[torch.Tensor]) -> str | None:
     return None
 
 
+def kernel_flags(optim: OptimConfig, params: Iterable[torch.Tensor]) -> dict:
+    """AdamW's `fused`/`foreach` flags for `params`: the fused kernel when available (or forced by
+    `optim.fused`), else foreach; never the per-parameter loop."""
+    reason = fused_unsupported_reason(params)
+    if optim.fused and reason is not None:
+        raise ValueError(f"optim.fused=true cannot be honoured: {reason}")
+    fused = reason is None if optim.fused is None else optim.fused
+    return {"fused": fused, "foreach": None if fused else True}
+
+
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over `param_groups(model)`: fused kernel when available (or forced), else foreach.
+    """AdamW over `param_groups(model)` with the flags of `kernel_flags`.
 
     The learning rate starts at `optim.lr`; the trainer overrides it with `set_lr` every step.
     """
     optim.validate()
     groups = param_groups(model, optim.weight_decay)
-    reason = fused_unsupported_reason(p for g in groups for p in g["params"])
-    if optim.fused and reason is not None:
-        raise ValueError(f"optim.fused=true cannot be honoured: {reason}")
-    fused = reason is None if optim.fused is None else optim.fused
     return torch.optim.AdamW(
         groups,
         lr=optim.lr,
         betas=(optim.beta1, optim.beta2),
         eps=optim.eps,
         weight_decay=optim.weight_decay,
-        fused=fused,
-        foreach=None if fused else True,
+        **kernel_flags(optim, (p for g in groups for p in g["params"])),
     )
 
 

@@ -30,6 +30,7 @@ from pretrain.data.build import check_vocab, train_dataset, valid_dataset
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch
 from pretrain.optim import lr_at
+from pretrain.preemption import StopOnSignal, StopRequested
 
 
 class NonFiniteLossError(RuntimeError):
@@ -89,7 +90,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         env = init_distributed(detect_env(), timeout_s=cfg.parallel.timeout_s)
-        self.rank = env.rank
+        self.rank, self.world_size = env.rank, env.world_size
         self.layout = setup_layout(cfg.parallel)
         self.dp_rank, self.dp_size = world()
         self.log = rank_logger(t.run_dir if env.world_size > 1 else None, env, echo=log)
@@ -211,7 +212,9 @@ class Trainer:
         window = self._new_window()
         record: dict = {}
         self.model.train()
+        stop = StopOnSignal(t.stop_signals)
         try:
+            stop.__enter__()
             while self.step < t.max_steps:
                 lr = lr_at(self.step, t.max_steps, cfg.optim, cfg.schedule)
                 self.engine.set_lr(lr)
@@ -257,12 +260,17 @@ class Trainer:
                 if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()
                     last_saved = self.step
+                if not last and stop.agreed(self.world_size > 1):
+                    if self.step > last_saved:
+                        self.save()
+                    raise StopRequested(self.step, stop.signame, stop.seconds_since_signal(), cfg.checkpoint.grace_s)
         except KeyboardInterrupt:
             if self.step > last_saved:
                 self.log(f"interrupted: saving step {self.step} before exiting")
                 self.save()
             raise
         finally:
+            stop.__exit__()
             if metrics is not None:
                 metrics.close()
             if wandb is not None:

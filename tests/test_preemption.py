@@ -1,0 +1,86 @@
+"""Stop on a signal: finish the step, checkpoint together, exit 75; the resumed run is bit-identical."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distributed import run_ranks
+from pretrain.config import ConfigError, load_config
+from pretrain.metrics import read_metrics
+from pretrain.preemption import EXIT_REQUEUE, StopRequested
+from trainer_helpers import step_losses, tiny_overrides, write_markov_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
+
+
+def _overrides(tmp_path, corpus, run):
+    # no scheduled checkpoint before the end: the stop's checkpoint is the only one to resume from
+    return tiny_overrides(tmp_path, corpus, **{"train.run_dir": os.path.join(str(tmp_path), run), "train.max_steps": 30,
+                                               "checkpoint.every": 0, "train.eval_every": 0})
+
+
+def test_sigterm_checkpoints_exits_75_and_resumes_bit_identical(tmp_path, corpus):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cli = [sys.executable, "-m", "pretrain.cli", "train", "baseline/tiny"]
+    whole = subprocess.run(cli + _overrides(tmp_path, corpus, "whole"), env=env, capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr
+
+    proc = subprocess.Popen(cli + _overrides(tmp_path, corpus, "run"), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_REQUEUE, err
+    assert "stopped by SIGTERM after step" in err and "checkpoint written" in err
+    ckpts = sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+    stopped_at = len(read_metrics(str(tmp_path / "run")))
+    assert 5 <= stopped_at < 30 and f"step_{stopped_at:08d}" in ckpts, (ckpts, stopped_at)
+
+    resumed = subprocess.run(cli + _overrides(tmp_path, corpus, "run"), env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    assert step_losses(tmp_path / "run") == step_losses(tmp_path / "whole")  # every step, bit for bit
+
+
+def _one_rank_signalled(rank, world, tmp, corpus):
+    from pretrain.trainer import Trainer
+
+    trainer = Trainer(load_config("baseline/tiny", _overrides(tmp, corpus, "ddp")), log=lambda *_: None)
+    engine_step = trainer.engine.step
+
+    def step_then_signal_rank1():
+        engine_step()
+        if rank == 1 and trainer.step == 3:  # the 4th step is under way: only rank 1 hears the signal
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    trainer.engine.step = step_then_signal_rank1
+    try:
+        trainer.fit()
+    except StopRequested as e:
+        return e.step, str(e)
+    return None, "not stopped"
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, corpus):
+    results = run_ranks(_one_rank_signalled, 2, args=(str(tmp_path), corpus))
+    assert [step for step, _ in results] == [4, 4], results
+    assert "SIGUSR1" in results[1][1] and "another rank" in results[0][1]
+    assert os.path.isdir(tmp_path / "ddp" / "checkpoints" / "step_00000004")
+
+
+def test_stop_signals_are_validated():
+    with pytest.raises(ConfigError, match="SIGKILL.* is not a signal that can be caught"):
+        load_config("baseline/tiny", ["train.stop_signals=[SIGKILL]"], check_data=False)
+    with pytest.raises(ConfigError, match="grace_s"):
+        load_config("baseline/tiny", ["checkpoint.grace_s=0"], check_data=False)
