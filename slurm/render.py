@@ -65,9 +65,7 @@ def render_train(profile: ClusterProfile, config: str, overrides: list[str], run
     output = os.path.join(run_dir, "slurm", "%x-%j.out") if not array else os.path.join(run_dir, "slurm", "%x-%A_%a.out")
     header = sbatch_lines(profile, job_name, output, array=array, tasks_per_node=per_node, grace_s=grace_s)
     variables = {"LAUNCHER": profile.launcher, "NPROC": profile.nproc, "PYTHON": profile.python,
-                 "MAX_RESTARTS": profile.max_restarts, "MPI_PLUGIN": profile.mpi_plugin}
-    if points:
-        variables["SWEEP_POINTS"] = points
+                 "MAX_RESTARTS": profile.max_restarts, "MPI_PLUGIN": profile.mpi_plugin, "SWEEP_POINTS": points}
     return render("train.sbatch", header, profile_block(profile, variables, [config, *overrides]))
 
 
