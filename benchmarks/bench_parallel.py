@@ -14,6 +14,13 @@ window, read from metrics.jsonl. Layouts alternate for --rounds rounds; medians 
     megatron-layers megatron-core's column/row/embedding layers at TP=1, CPU shim active, no DDP
     zero1/2/3       DeepSpeed ZeRO stages
 
+Allocator: DeepSpeed allocates its gradient buckets and flat partitions afresh every step (free on a
+GPU's caching allocator). With glibc's malloc on CPU every such buffer is new memory from the kernel,
+page-faulted in (~40 ms per 170 MB here), which alone adds ~10% to ZeRO-1/2. Children inherit the
+environment, so compare layouts under a caching allocator with, e.g.,
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python benchmarks/bench_parallel.py
+(apt-get install libtcmalloc-minimal4); the plain reference runs under the same allocator.
+
 Bytes: every torch.distributed collective called inside the training step is counted (the size of
 its full buffer) and reported per step, next to what the layout implies for N parameters (fp32):
 gradient all-reduce 4N (DDP, megatron DDP); reduce-scatter 4N + all-gather 4N (distributed optimizer,
