@@ -25,7 +25,7 @@ def test_mpirun_two_ranks_train_like_torchrun(tmp_path):
                           os.path.join(ROOT, "tests", "mpi_probe.py"), str(tmp_path), corpus],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    ranks = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")),
+    ranks = sorted(_json_objects(out.stdout),
                    key=lambda r: r["rank"])
     assert [(r["source"], r["rank"], r["world"], r["tp_rank"], r["dp"]) for r in ranks] == \
         [("mpi", 0, 2, 0, 1), ("mpi", 1, 2, 1, 1)]
@@ -33,3 +33,18 @@ def test_mpirun_two_ranks_train_like_torchrun(tmp_path):
     single = step_losses(tmp_path / "single")
     for r in ranks:
         assert {int(k): v for k, v in r["losses"].items()} == pytest.approx(single, rel=1e-5)
+
+
+def _json_objects(text: str) -> list:
+    """Every JSON object printed, even when mpirun interleaves the two ranks' lines on one line."""
+    decoder, found, i = json.JSONDecoder(), [], text.find("{")
+    while i != -1:
+        try:
+            obj, end = decoder.raw_decode(text, i)
+        except ValueError:  # a brace in other output
+            i = text.find("{", i + 1)
+            continue
+        found.append(obj)
+        i = text.find("{", end)
+    return found
+
