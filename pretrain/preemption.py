@@ -39,7 +39,7 @@ def signal_numbers(names: list[str]) -> list[signal.Signals]:
 
 
 class StopOnSignal:
-    """Context manager: while active, the given signals request a stop instead of killing us."""
+    """Between install() and restore(), the given signals request a stop instead of killing us."""
 
     def __init__(self, names: list[str]):
         self.signals = signal_numbers(names)
@@ -51,15 +51,14 @@ class StopOnSignal:
         if self.signame is None:
             self.signame, self.t_signal = signal.Signals(signum).name, time.monotonic()
 
-    def __enter__(self):
+    def install(self) -> None:
         import threading
 
         if threading.current_thread() is threading.main_thread():  # handlers only install there
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handler)
-        return self
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -75,9 +74,10 @@ class StopOnSignal:
 
             t = torch.tensor([1.0 if flag else 0.0])
             collective("all_reduce(stop request)", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-            if t.item() > 0 and self.signame is None:  # another rank was signalled first
+            flag = t.item() > 0
+            if flag and self.signame is None:  # another rank was signalled first
                 self.signame, self.t_signal = "a signal on another rank", time.monotonic()
-            return t.item() > 0
+        return flag
         return flag
 
     def seconds_since_signal(self) -> float:

@@ -214,7 +214,7 @@ class Trainer:
         self.model.train()
         stop = StopOnSignal(t.stop_signals)
         try:
-            stop.__enter__()
+            stop.install()
             while self.step < t.max_steps:
                 lr = lr_at(self.step, t.max_steps, cfg.optim, cfg.schedule)
                 self.engine.set_lr(lr)
@@ -270,7 +270,7 @@ class Trainer:
                 self.save()
             raise
         finally:
-            stop.__exit__()
+            stop.restore()
             if metrics is not None:
                 metrics.close()
             if wandb is not None:

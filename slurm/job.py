@@ -102,13 +102,10 @@ def fruitless_ends(history: list[dict]) -> int:
 
 
 def latest_step(run_dir: str) -> int:
-    from pretrain.checkpoint import latest_checkpoint
+    from pretrain.checkpoint import latest_checkpoint, read_meta
 
     path = latest_checkpoint(run_dir, log=lambda *_: None)
-    if path is None:
-        return 0
-    with open(os.path.join(path, "meta.json")) as f:
-        return int(json.load(f)["step"])
+    return 0 if path is None else int(read_meta(path)["step"])
 
 
 def git_revision() -> str:
@@ -132,9 +129,9 @@ def start(config: str, overrides: list[str], max_restarts: int, env=os.environ) 
     cfg = load_config(config, overrides, check_data=False)
     run_dir = os.path.abspath(cfg.train.run_dir)
     check_writable(run_dir)
-    history = read_history(run_dir)
-    if fruitless_ends(history) >= max_restarts + 1:
-        raise JobError(f"requeue loop: the last {fruitless_ends(history)} starts of {run_dir} ended without a new "
+    fruitless = fruitless_ends(read_history(run_dir))
+    if fruitless >= max_restarts + 1:
+        raise JobError(f"requeue loop: the last {fruitless} starts of {run_dir} ended without a new "
                        f"checkpoint (max_restarts={max_restarts}); fix the cause (see {run_dir}/logs and the job "
                        "output), then resubmit")
     head, addr = head_address(env.get("SLURM_JOB_NODELIST") or socket.gethostname())
@@ -157,11 +154,13 @@ def end(run_dir: str, rc: int, stopped: bool, start_step: int, max_restarts: int
 
     job = env.get("SLURM_JOB_ID", "0")
     step = latest_step(run_dir)
-    append_history(run_dir, {"event": "end", "job": job, "rc": rc, "stopped": stopped, "start_step": start_step,
-                             "end_step": step, "time": time.time()})
+    record = {"event": "end", "job": job, "rc": rc, "stopped": stopped, "start_step": start_step, "end_step": step,
+              "time": time.time()}
+    history = read_history(run_dir) + [record]
+    append_history(run_dir, record)
     if rc == 0 and not stopped:
         return EXIT_DONE, f"job {job}: training finished at step {step}"
-    fruitless = fruitless_ends(read_history(run_dir))
+    fruitless = fruitless_ends(history)
     why = (f"stopped by the warning signal at step {step}" if stopped or rc == EXIT_REQUEUE
            else f"training failed with exit code {rc} (latest checkpoint: step {step})")
     if fruitless > max_restarts:

@@ -72,7 +72,7 @@ def _sweep(args, profile) -> int:
         print("\n".join(f"# point {i}: {p['name']}: {' '.join(p['overrides'])}" for i, p in enumerate(points)))
         print(text, end="")
         return 0
-    write_points(spec)
+    write_points(spec, points)
     os.makedirs(os.path.join(root, "slurm"), exist_ok=True)  # Slurm fails a job whose output folder is missing
     job = _sbatch(_write(os.path.join(root, "sweep.sbatch"), text))
     print(f"submitted array job {job}: {len(points)} points under {root}; status: python -m slurm.sweep status {root}")

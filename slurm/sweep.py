@@ -62,8 +62,8 @@ def expand(spec: dict) -> list[dict]:
     return points
 
 
-def write_points(spec: dict) -> str:
-    points = expand(spec)
+def write_points(spec: dict, points: list[dict]) -> str:
+    """points.json beside the points' run directories: what each array task reads its overrides from."""
     root = os.path.dirname(points[0]["run_dir"])
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, "points.json")
@@ -89,11 +89,9 @@ def point_status(run_dir: str) -> tuple[str, int, float | None]:
     records = read_metrics(run_dir) if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else []
     step = max((r["step"] for r in records), default=0)
     val = [r["val_loss"] for r in records if "val_loss" in r]
-    history = os.path.join(run_dir, "slurm", "history.jsonl")
-    ends = []
-    if os.path.exists(history):
-        with open(history) as f:
-            ends = [json.loads(x) for x in f if x.strip() and '"end"' in x]
+    from slurm.job import read_history
+
+    ends = [r for r in read_history(run_dir) if r.get("event") == "end"]
     if ends and ends[-1]["rc"] == 0 and not ends[-1]["stopped"]:
         state = "done"
     elif ends and ends[-1]["rc"] not in (0, 75):
