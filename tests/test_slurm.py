@@ -158,10 +158,8 @@ def test_preprocess_array_then_merge(cluster, tmp_path):
     out = str(tmp_path / "data" / "corpus")
     job, _ = _submit(cluster, "preprocess", "--profile", _profile(str(tmp_path), "srun", nodes=1), "--tasks", "2",
                      "--inputs", *files, "--output-prefix", out, "--", "--tokenizer-model", spm, "--workers", "1")
-    deadline = time.time() + 300
-    while time.time() < deadline and not os.path.exists(out + "_text_document.idx"):
-        time.sleep(1)
+    # the merge job's output appears (by rename) a moment before Slurm records the job as finished
+    assert cluster.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=300) == "COMPLETED"
     merged = IndexedDataset(out + "_text_document")
     parts = [IndexedDataset(str(tmp_path / "data" / "corpus.parts" / f"part{i:04d}_text_document")) for i in range(2)]
     assert len(merged) == sum(len(p) for p in parts) == len(texts)  # 2 tasks: files 0,2 and file 1
-    assert cluster.job_state(job) == "COMPLETED"
