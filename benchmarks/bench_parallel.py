@@ -5,7 +5,9 @@
 The model of bench_trainer.py (Transformer++ d=512, 8 layers, 8 heads, FFN 1536, vocab 32,000;
 T=256, micro-batch 4, fp32, 2 threads, compile off). Each layout runs in its own process (megatron's
 and DeepSpeed's global state stay apart) for 2 x --steps steps; its step time is that of the second
-window, read from metrics.jsonl. Layouts alternate for --rounds rounds; medians are reported.
+window, each step timed on its own. Layouts alternate for --rounds rounds; the median step over all
+rounds is reported (the machine is shared: a median of single steps resists the bursts of load that
+a window's mean absorbs).
 
     plain           one process, no process group, no wrapper (the reference)
     ddp             torch DDP forced around the model in a one-rank gloo group
@@ -14,12 +16,11 @@ window, read from metrics.jsonl. Layouts alternate for --rounds rounds; medians 
     megatron-layers megatron-core's column/row/embedding layers at TP=1, CPU shim active, no DDP
     zero1/2/3       DeepSpeed ZeRO stages
 
-Allocator: DeepSpeed allocates its gradient buckets and flat partitions afresh every step (free on a
-GPU's caching allocator). With glibc's malloc on CPU every such buffer is new memory from the kernel,
-page-faulted in (~40 ms per 170 MB here), which alone adds ~10% to ZeRO-1/2. Children inherit the
-environment, so compare layouts under a caching allocator with, e.g.,
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python benchmarks/bench_parallel.py
-(apt-get install libtcmalloc-minimal4); the plain reference runs under the same allocator.
+Allocator: like `pretrain train`, the benchmark re-executes itself under tcmalloc (or jemalloc) when
+one is installed (pretrain/malloc.py; PRETRAIN_MALLOC=system keeps glibc's malloc), and every layout
+runs under the same allocator, printed first. DeepSpeed allocates its gradient buckets and flat
+partitions afresh every step (free on a GPU's caching allocator); under glibc each is new memory
+from the kernel, page-faulted in, which adds ~10% to ZeRO-1/2 on top of their copies.
 
 Bytes: every torch.distributed collective called inside the training step is counted (the size of
 its full buffer) and reported per step, next to what the layout implies for N parameters (fp32):
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,6 +91,11 @@ def _count_collectives(counter: dict, active: list) -> None:
 def child(layout: str, prefix: str, steps: int) -> None:
     counter, active = defaultdict(int), [False]
     _count_collectives(counter, active)
+    with tempfile.TemporaryDirectory(prefix=f"bench-{layout}-") as workdir:  # its checkpoints are ~0.5 GB
+        _run_child(layout, prefix, steps, workdir, counter, active)
+
+
+def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
     import torch.distributed as dist
 
     from bench_trainer import overrides
@@ -98,7 +105,6 @@ def child(layout: str, prefix: str, steps: int) -> None:
     from pretrain.models import count_parameters
     from pretrain.trainer import Trainer
 
-    workdir = tempfile.mkdtemp(prefix=f"bench-{layout}-")
     if layout == "ddp":  # a one-rank process group so that DDP really wraps the model
         dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
     over = overrides(prefix, workdir, 2 * steps, steps) + ["train.compile=false"] + LAYOUTS[layout]
@@ -111,14 +117,17 @@ def child(layout: str, prefix: str, steps: int) -> None:
 
         trainer.engine.wrapped.register_comm_hook(None, allreduce_hook)
     step_fn, engine_step = trainer._train_step, trainer.engine.step
-    calls = [0]
+    calls, times = [0], []
 
     def counted_train_step(*a, **k):
         calls[0] += 1
         active[0] = calls[0] > steps  # the measured (second) window only
+        start = time.perf_counter()
         try:
             return step_fn(*a, **k)
         finally:
+            if active[0]:
+                times.append(time.perf_counter() - start)
             active[0] = False
 
     def counted_engine_step():
@@ -133,7 +142,7 @@ def child(layout: str, prefix: str, steps: int) -> None:
     record = [r for r in read_metrics(os.path.join(workdir, "run")) if r["step"] == 2 * steps][0]
     step_s = trainer.cfg.tokens_per_step / record["tokens_per_s"]
     params = count_parameters(trainer.model)["total"]
-    print(json.dumps({"step_s": step_s, "params": params,
+    print(json.dumps({"step_s": step_s, "times": times, "params": params,
                       "bytes": {k: v / steps for k, v in counter.items() if v}}), flush=True)
 
 
@@ -147,35 +156,56 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.data, args.steps)
+    from pretrain.malloc import active_allocator, use_caching_allocator
+
+    use_caching_allocator()
+    print(f"allocator: {active_allocator()}", flush=True)
     from bench_trainer import write_data
 
     layouts = args.layouts.split(",")
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown:
         sys.exit(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
-    data = os.path.join(tempfile.mkdtemp(prefix="bench-parallel-"), "tokens")
-    write_data(data, 2_000_000)
+    with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
+        data = os.path.join(tmp, "tokens")
+        write_data(data, 2_000_000)
+        results = _measure(layouts, data, args)
+    _report(layouts, results)
+
+
+def _measure(layouts: list[str], data: str, args) -> dict[str, list]:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.path.join(ROOT, 'benchmarks')}", DS_ACCELERATOR="cpu")
     results: dict[str, list] = defaultdict(list)
     for r in range(args.rounds):
-        for name in layouts:
+        for name in layouts[r % len(layouts):] + layouts[:r % len(layouts)]:  # no layout always runs first
             out = subprocess.run([sys.executable, __file__, "--child", name, "--data", data, "--steps", str(args.steps)],
                                  capture_output=True, text=True, env=env)
             lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
             if out.returncode or not lines:
                 sys.exit(f"layout {name} failed:\n{out.stderr[-3000:]}")
             results[name].append(json.loads(lines[-1]))
-            print(f"round {r + 1}: {name:16s} {results[name][-1]['step_s']:.3f} s/step", flush=True)
-    base = statistics.median(x["step_s"] for x in results["plain"]) if "plain" in results else None
-    print(f"\n{'layout':16s} {'s/step':>8s} {'vs plain':>9s} {'bytes/step measured':>20s} {'expected':>12s}  by collective")
+            times = results[name][-1]["times"]
+            print(f"round {r + 1}: {name:16s} {statistics.median(times):.3f} s/step (median of {len(times)}, "
+                  f"min {min(times):.3f})", flush=True)
+    return results
+
+
+def _report(layouts: list[str], results: dict[str, list]) -> None:
+    """Median and fastest step over every measured step of every round, each against plain's."""
+    steps = {name: [t for x in results[name] for t in x["times"]] for name in layouts}
+    base = steps.get("plain")
+    print(f"\n{'layout':16s} {'median':>8s} {'vs plain':>9s} {'fastest':>8s} {'vs plain':>9s} "
+          f"{'bytes/step measured':>20s} {'expected':>12s}  by collective")
     for name in layouts:
-        step = statistics.median(x["step_s"] for x in results[name])
+        med, fast = statistics.median(steps[name]), min(steps[name])
         last = results[name][-1]
         measured = sum(last["bytes"].values())
         expected = EXPECTED_N[name] * last["params"]
-        ratio = f"{step / base - 1:+8.1%}" if base else "       -"
+        vs = ([f"{med / statistics.median(base) - 1:+8.1%}", f"{fast / min(base) - 1:+8.1%}"] if base
+              else ["       -"] * 2)
         detail = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(last["bytes"].items()))
-        print(f"{name:16s} {step:8.3f} {ratio:>9s} {measured / 1e6:17.1f} MB {expected / 1e6:9.1f} MB  {detail}")
+        print(f"{name:16s} {med:8.3f} {vs[0]:>9s} {fast:8.3f} {vs[1]:>9s} {measured / 1e6:17.1f} MB "
+              f"{expected / 1e6:9.1f} MB  {detail}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    from pretrain.malloc import active_allocator, use_caching_allocator
+
+    use_caching_allocator()  # as `pretrain train` does; PRETRAIN_MALLOC=system keeps glibc's malloc
+    print(f"allocator: {active_allocator()}", flush=True)
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory(prefix="bench_trainer-") as work:
         prefix = os.path.join(work, "data")

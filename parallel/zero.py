@@ -117,6 +117,30 @@ class DeepSpeedEngine(Engine):
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
                                                 config=ds_config(cfg, max(lay.dp, 1)))
         self.zero = self.ds.optimizer  # the ZeRO wrapper; it steps self.optimizer on its flat partitions
+        self.shared_masters = self._share_fp32_masters()
+
+    def _share_fp32_masters(self) -> bool:
+        """In fp32 DeepSpeed ZeRO-1/2 keep a "master" copy of this rank's partition of the flat
+        parameters that is the same dtype as the parameters themselves; AdamW steps the copy and
+        DeepSpeed copies it back every step. Make the master the model's own partition instead: the
+        same numbers, 4 bytes per parameter (of the partition) less, and the copy-back becomes a copy
+        of a tensor onto itself, which torch skips. Their views into the master are then re-linked.
+        Returns whether it applied (not for ZeRO-3, CPU offload, or a DeepSpeed whose internals differ)."""
+        z = self.zero
+        needed = ("single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups", "real_dp_process_group",
+                  "_link_all_hp_params")
+        if self.stage not in (1, 2) or getattr(z, "cpu_offload", True) or not all(hasattr(z, a) for a in needed):
+            return False
+        pairs = []
+        for i, master in enumerate(z.single_partition_of_fp32_groups):
+            own = z.parallel_partitioned_bit16_groups[i][dist.get_rank(group=z.real_dp_process_group[i])]
+            if own.dtype != master.dtype or own.shape != master.shape or self.optimizer.state.get(master):
+                return False
+            pairs.append((master, own))
+        for master, own in pairs:
+            master.data = own.data
+        z._link_all_hp_params()
+        return True
 
     # -- the training step ---------------------------------------------------------------------
     def accumulating(self, last: bool):

@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if argv is None and args.verb in ("train", "eval", "generate"):  # run as the program: before torch loads
+        from pretrain.malloc import use_caching_allocator
+
+        use_caching_allocator()
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info}
     try:
         return handlers[args.verb](args)

@@ -27,6 +27,7 @@ from pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpo
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_vocab, train_dataset, valid_dataset
+from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch
 from pretrain.optim import lr_at
@@ -306,7 +307,7 @@ class Trainer:
             f"{self.flops_per_token / 1e6:,.1f} MFLOP/token | batch {cfg.train.global_batch_seqs} sequences = "
             f"{cfg.tokens_per_step:,} tokens/step | {self.device}, "
             f"{'fp32' if self.amp_dtype is None else 'bf16 autocast'}, {torch.get_num_threads()} threads | "
-            f"peak {self.peak_tflops:.3f} TFLOP/s ({self.peak_source}) | run dir {self.run_dir}"
+            f"peak {self.peak_tflops:.3f} TFLOP/s ({self.peak_source}) | {allocator_note()} | run dir {self.run_dir}"
         )
         p, lay = cfg.parallel, self.layout
         engine = {"ddp": "torch DDP" if self.dp_size > 1 else "single process", "megatron": "megatron-core DDP",

@@ -130,7 +130,19 @@ def run_looped(engine_cls, stage, rank, world, plan=(True, False, True), micro=2
             engine.step()
             norm = engine.grad_norm_after_step() if norm is None else norm
         engine.zero_grad()
-    return before, _numpy(engine.get_state()), float(norm)
+    return before, _numpy(engine.get_state()), float(norm), masters_are_the_model(engine)
+
+
+def masters_are_the_model(engine) -> bool | None:
+    """Whether the optimizer steps the model's own flat partitions (fp32 ZeRO-1/2), checked by address."""
+    if getattr(engine, "stage", 0) not in (1, 2):
+        return None
+    import torch.distributed as dist
+
+    z = engine.zero
+    return engine.shared_masters and all(
+        m.data_ptr() == z.parallel_partitioned_bit16_groups[i][dist.get_rank()].data_ptr()
+        for i, m in enumerate(z.single_partition_of_fp32_groups))
 
 
 def _numpy(tree):
@@ -268,8 +280,9 @@ def test_looped_block_with_recompute_matches_plain_engine(runs, stage):
     view equals the plain engine's."""
     from parallel.engine import Engine
 
-    ref_before, ref_after, ref_norm = run_looped(Engine, 0, 0, 1)
-    before, after, norm = runs.ranks[0][f"looped{stage}"]
+    ref_before, ref_after, ref_norm, _ = run_looped(Engine, 0, 0, 1)
+    before, after, norm, shared = runs.ranks[0][f"looped{stage}"]
+    assert shared is {1: True, 2: True, 3: None}[stage]  # fp32 ZeRO-1/2 step the model's own memory
     assert before[1]["state"] == {} and before[1]["param_groups"] == ref_before[1]["param_groups"]
     assert sorted(before[0]) == sorted(ref_before[0]) == ["block.down.weight", "block.up.weight",
                                                           "embed.weight", "gain", "head.weight"]
