@@ -4,10 +4,10 @@
 
 The model of bench_trainer.py (Transformer++ d=512, 8 layers, 8 heads, FFN 1536, vocab 32,000;
 T=256, micro-batch 4, fp32, 2 threads, compile off). Each layout runs in its own process (megatron's
-and DeepSpeed's global state stay apart) for 2 x --steps steps; its step time is that of the second
-window, each step timed on its own. Layouts alternate for --rounds rounds; the median step over all
-rounds is reported (the machine is shared: a median of single steps resists the bursts of load that
-a window's mean absorbs).
+and DeepSpeed's global state stay apart) for 2 x --steps steps; each step of the second window is
+timed on its own, from forward to zero_grad (the optimizer step included). Layouts alternate for
+--rounds rounds, in a rotating order; the median step over all rounds is reported, and the fastest
+(the machine is shared: single steps resist the bursts of load that a window's mean absorbs).
 
     plain           one process, no process group, no wrapper (the reference)
     ddp             torch DDP forced around the model in a one-rank gloo group
@@ -116,28 +116,30 @@ def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         trainer.engine.wrapped.register_comm_hook(None, allreduce_hook)
-    step_fn, engine_step = trainer._train_step, trainer.engine.step
-    calls, times = [0], []
+    # A step's time: from the start of forward to the end of zero_grad (backward, gradient reduction,
+    # the finiteness check and the optimizer step between); data loading and logging are left out.
+    # Bytes are counted in the same span of the measured (second) window.
+    calls, times, began = [0], [], [0.0]
 
-    def counted_train_step(*a, **k):
-        calls[0] += 1
-        active[0] = calls[0] > steps  # the measured (second) window only
-        start = time.perf_counter()
-        try:
-            return step_fn(*a, **k)
-        finally:
-            if active[0]:
-                times.append(time.perf_counter() - start)
-            active[0] = False
+    def starts(fn):
+        def run(*a, **k):
+            calls[0] += 1
+            active[0] = calls[0] > steps
+            began[0] = time.perf_counter()
+            return fn(*a, **k)
+        return run
 
-    def counted_engine_step():
-        active[0] = calls[0] > steps
-        try:
-            engine_step()
-        finally:
-            active[0] = False
+    def ends(fn):
+        def run(*a, **k):
+            try:
+                return fn(*a, **k)
+            finally:
+                if active[0]:
+                    times.append(time.perf_counter() - began[0])
+                active[0] = False
+        return run
 
-    trainer._train_step, trainer.engine.step = counted_train_step, counted_engine_step
+    trainer._train_step, trainer.engine.zero_grad = starts(trainer._train_step), ends(trainer.engine.zero_grad)
     trainer.fit()
     record = [r for r in read_metrics(os.path.join(workdir, "run")) if r["step"] == 2 * steps][0]
     step_s = trainer.cfg.tokens_per_step / record["tokens_per_s"]
