@@ -124,7 +124,8 @@ class DeepSpeedEngine(Engine):
         parameters that is the same dtype as the parameters themselves; AdamW steps the copy and
         DeepSpeed copies it back every step. Make the master the model's own partition instead: the
         same numbers, 4 bytes per parameter (of the partition) less, and the copy-back becomes a copy
-        of a tensor onto itself, which torch skips. Their views into the master are then re-linked.
+        of a tensor onto itself, which torch skips. DeepSpeed's per-parameter views into the master
+        (its hp links, used by the checkpoint view) are then rebuilt.
         Returns whether it applied (not for ZeRO-3, CPU offload, or a DeepSpeed whose internals differ)."""
         z = self.zero
         needed = ("single_partition_of_fp32_groups", "parallel_partitioned_bit16_groups", "real_dp_process_group",
