@@ -101,7 +101,6 @@ def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
     from bench_trainer import overrides
     from parallel.engine import Engine
     from pretrain.config import load_config
-    from pretrain.metrics import read_metrics
     from pretrain.models import count_parameters
     from pretrain.trainer import Trainer
 
@@ -141,10 +140,8 @@ def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
 
     trainer._train_step, trainer.engine.zero_grad = starts(trainer._train_step), ends(trainer.engine.zero_grad)
     trainer.fit()
-    record = [r for r in read_metrics(os.path.join(workdir, "run")) if r["step"] == 2 * steps][0]
-    step_s = trainer.cfg.tokens_per_step / record["tokens_per_s"]
     params = count_parameters(trainer.model)["total"]
-    print(json.dumps({"step_s": step_s, "times": times, "params": params,
+    print(json.dumps({"times": times, "params": params,
                       "bytes": {k: v / steps for k, v in counter.items() if v}}), flush=True)
 
 
