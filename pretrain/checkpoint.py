@@ -11,6 +11,12 @@ hyperparameters travel as JSON; DCP's own `.metadata` is the one pickle read.
 With no process group DCP runs in this process (`no_dist=True`, passed explicitly; DCP would infer it
 and warn). Saving is single-process for now: temp names carry the pid, renames are not coordinated.
 
+Integrity: every file of the checkpoint but meta.json gets an xxh3-128 checksum at save time,
+recorded in meta.json ("checksums"); loading verifies them before anything is modified (a flipped
+bit is caught, as a truncation is), and `load_latest` falls back to the previous checkpoint when the
+newest fails. Under several ranks each rank hashes its own DCP files at save and a share of the files
+at load. Checkpoints written before checksums existed load with a line saying so.
+
 Atomicity: everything is written into `.step_X.tmp-<pid>` and fsynced, meta.json last (its presence
 marks completeness), then renamed into place; `latest` (the newest directory's name) is replaced via
 a fsynced temp file. Deletion renames aside first, so a crash mid-delete leaves no complete-looking husk.
@@ -27,6 +33,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import xxhash
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -40,10 +47,15 @@ SCHEMA_VERSION = 1
 META_FILE, OPTIM_FILE, LATEST_FILE, DCP_METADATA = "meta.json", "optim.json", "latest", ".metadata"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"\.(?:step_\d+|latest)\.(?:tmp|old)-(\d+)")  # temp or set-aside names, with pid
+CHECKSUM = "xxh3_128"  # ~10 GB/s: verification costs a read of the files, little more
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message is one line naming the checkpoint and the problem."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file does not match the checksum recorded when it was saved (or is missing)."""
 
 
 class _Unusable(Exception):
@@ -74,6 +86,64 @@ def _dcp_call():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield {"no_dist": not (dist.is_available() and dist.is_initialized())}
+
+
+def _multi() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def file_checksum(path: str) -> str:
+    """The xxh3-128 hex digest of a file, read in 16 MiB blocks into one reused buffer."""
+    h, buf = xxhash.xxh3_128(), bytearray(16 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _checksums_at_save(tmp: str, multi: bool, leader: bool) -> dict[str, str] | None:
+    """Checksums of the files in `tmp`, complete on the leader (None elsewhere). With several ranks
+    each hashes the DCP files it wrote itself (named `__<rank>_*`, visible to it whatever the
+    filesystem's caching), and the leader hashes whatever nobody claimed."""
+    sums: dict[str, str] = {}
+    if multi:
+        own = f"__{dist.get_rank()}_"
+        mine = {n: file_checksum(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(own)}
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        for part in parts:
+            sums.update(part)
+    if not leader:
+        return None
+    for n in os.listdir(tmp):
+        if n not in sums and n != META_FILE and os.path.isfile(os.path.join(tmp, n)):
+            sums[n] = file_checksum(os.path.join(tmp, n))
+    return dict(sorted(sums.items()))
+
+
+def _verify(path: str, meta: dict) -> str | None:
+    """None if every file meta.json lists matches its checksum, else the problem (following the
+    checkpoint's name). Collective under several ranks: each checks a share, all learn the result."""
+    record = meta.get("checksums")
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return None  # checked by the caller: an unverifiable checkpoint is said, not refused
+    if record.get("algorithm") != CHECKSUM:
+        return f"has checksums of an unknown algorithm {str(record.get('algorithm'))[:40]!r}"
+    names = sorted(record["files"])
+    rank, world = (dist.get_rank(), dist.get_world_size()) if _multi() else (0, 1)
+    problems = {}
+    for name in names[rank::world]:
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            problems[name] = f"is incomplete (file {name} is missing)"
+        elif file_checksum(file) != record["files"][name]:
+            problems[name] = f"is corrupt ({name} does not match the checksum recorded when it was saved)"
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, problems)
+        problems = {k: v for part in parts for k, v in part.items()}
+    return problems[min(problems)] if problems else None
 
 
 def _read_meta(path: str) -> dict:
@@ -233,23 +303,25 @@ def as_state(model, optimizer=None):
 
 
 def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_last: int = 2,
-                    keep_every: int = 0) -> str:
+                    keep_every: int = 0, checksums: bool = True) -> str:
     """Write checkpoint `step` atomically, point `latest` at it, apply retention; return its path.
 
     Retention keeps the newest `keep_last` complete checkpoints, those whose step is a multiple of
     `keep_every` (when > 0) and always the one just written; it also removes what crashed saves of
     processes that are gone left behind. `optimizer` may be None (a weights-only checkpoint).
+    `checksums=False` records none (saves reading the files back; loads then cannot verify).
     """
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative integer, got {step!r}")
     if keep_last < 1 or keep_every < 0:
         raise ValueError(f"keep_last must be >= 1 and keep_every >= 0, got {keep_last} and {keep_every}")
-    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    multi = _multi()
     leader = not multi or dist.get_rank() == 0
-    for key, value in (("step", step), ("schema_version", SCHEMA_VERSION)):
+    for key, value in (("step", step), ("schema_version", SCHEMA_VERSION), ("checksums", None)):
         if key in meta and meta[key] != value:
             raise ValueError(f"meta[{key!r}] is {meta[key]!r} but the checkpoint's {key} is {value!r}")
-    meta_text = _to_json({**meta, "schema_version": SCHEMA_VERSION, "step": step}, "meta")
+    meta = {**meta, "schema_version": SCHEMA_VERSION, "step": step}
+    _to_json(meta, "meta")  # refused before anything is written
     target = as_state(model, optimizer)
     state: dict = {"rng": _rng_state()}
     state["model"], optim_sd = target.get_state()
@@ -280,12 +352,15 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), **kw)
         if multi:
             dist.barrier()
+        if leader and optim_sd is not None:
+            _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
+        sums = _checksums_at_save(tmp, multi, leader) if checksums else None
         if not leader:
             dist.barrier()  # returns once rank 0 has published the checkpoint
             return final
-        if optim_sd is not None:
-            _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
-        _write_file(os.path.join(tmp, META_FILE), meta_text)  # last: its presence marks completeness
+        if sums is not None:
+            meta["checksums"] = {"algorithm": CHECKSUM, "files": sums}
+        _write_file(os.path.join(tmp, META_FILE), _to_json(meta, "meta"))  # last: its presence marks completeness
         for dirpath, _, files in os.walk(tmp):
             for f in files:
                 fsync_path(os.path.join(dirpath, f))
@@ -356,18 +431,26 @@ def read_meta(path: str) -> dict:
 
 
 def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
-                    expect_arch: str | None = None) -> dict:
+                    expect_arch: str | None = None, verify: bool = True, log=print) -> dict:
     """Load checkpoint `path` in place into `model` (and `optimizer`, and the RNG); return its meta.
 
-    The model is checked before it is modified, but a failure inside DCP's read itself may leave it
-    partly loaded (in place): a CheckpointError is never something to continue past. Gradients are
-    dropped when the optimizer is loaded (they belong to the old weights).
+    With `verify`, every file is checked against the checksums recorded at save time first
+    (CorruptCheckpoint names the bad file; a checkpoint from before checksums is loaded with a line
+    saying so). The model is checked before it is modified, but a failure inside DCP's read itself
+    may leave it partly loaded (in place): a CheckpointError is never something to continue past.
+    Gradients are dropped when the optimizer is loaded (they belong to the old weights).
     """
     meta = read_meta(path)
     try:
         md = _read_dcp_metadata(path)
     except _Unusable as e:
         raise CheckpointError(f"checkpoint {path} {e}") from None
+    if verify:
+        if "checksums" not in meta:
+            log(f"checkpoint {path} carries no checksums (saved before they were recorded, or with "
+                "checkpoint.verify=false): loaded unverified")
+        elif (why := _verify(path, meta)) is not None:
+            raise CorruptCheckpoint(f"checkpoint {path} {why}")
     model_cfg = meta["config"].get("model") if isinstance(meta.get("config"), dict) else None
     arch = model_cfg.get("arch") if isinstance(model_cfg, dict) else None
     if expect_arch is not None and arch != expect_arch:
@@ -405,6 +488,37 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
             if key.startswith("torch_cuda_"):
                 torch.cuda.set_rng_state(value, int(key.removeprefix("torch_cuda_")))
     return meta
+
+
+def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, expect_arch: str | None = None,
+                verify: bool = True, log=print) -> tuple[str, dict] | tuple[None, None]:
+    """Load the checkpoint `latest` names, falling back to the newest older one when it is unusable
+    (incomplete, truncated, or failing its checksums), each fallback said in one line; return
+    (path, meta), or (None, None) when the run has no complete checkpoint. When every complete
+    checkpoint fails its checksums this raises: starting over would discard them."""
+    path = latest_checkpoint(run_dir, log=log)
+    if path is None:
+        return None, None
+    root, first_error = os.path.dirname(path), None
+    tried = {os.path.basename(path)}
+    while True:
+        try:
+            return path, load_checkpoint(path, model, optimizer, restore_rng, expect_arch, verify, log)
+        except CorruptCheckpoint as e:  # raised before anything was modified
+            first_error = first_error or e
+            older = [n for s, n in reversed(_step_dirs(root)) if n not in tried
+                     and s < _step_of(path) and _problem(os.path.join(root, n)) is None]
+            why = str(e).removeprefix(f"checkpoint {path} ")
+            if not older:
+                raise CorruptCheckpoint(f"{first_error}; no older complete checkpoint to fall back to (set "
+                                        "checkpoint.verify=false to load it anyway)") from None
+            log(f"checkpoint {os.path.basename(path)} {why}; falling back to {older[0]}")
+            path = os.path.join(root, older[0])
+            tried.add(older[0])
+
+
+def _step_of(path: str) -> int:
+    return int(_STEP_DIR.fullmatch(os.path.basename(path)).group(1))
 
 
 def _check(path: str, saved: dict, state: dict) -> None:

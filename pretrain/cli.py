@@ -21,16 +21,30 @@ For the baseline: 6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T, i.e. forward
 backward), 2 FLOPs per multiply-add, the output head included, attention scores and values at full
 length T (L layers, width d, FFN width f, vocabulary V)."""
 
+_RUN_PATHS = """A run's paths are stored absolute; one that no longer exists is looked up at the same place
+relative to the run directory (a run moved together with its data works), and the tokenizer falls
+back to the run's own copy. A corrupt checkpoint (a file failing its checksum) is named; with a run
+directory the previous checkpoint is used instead, with a line saying so."""
+
 _TRAIN_HELP = """examples:
   pretrain train baseline/tiny                                   # a shipped config, by short name
   pretrain train configs/baseline/tiny.yaml optim.lr=1e-3 train.max_steps=500
   pretrain train baseline/xs data.train=[data/web_text_document] train.name=xs-web
+  pretrain train runs/xs-web train.max_steps=20000               # resume a run directory, from anywhere
 
 Overrides are dotted `section.key=value` (sections: model, parallel, data, optim, schedule, train,
 checkpoint, log); an unknown key or a wrong type is an error. The run directory (train.run_dir,
 default runs/<train.name>) receives config.yaml, metrics.jsonl, the tokenizer and checkpoints/; a
 run started again with the same run directory resumes from its latest checkpoint
-(checkpoint.resume=false starts over)."""
+(checkpoint.resume=false starts over). Given a run directory as CONFIG, its stored config is used
+and the run resumes where it is, even after being moved.
+
+""" + _RUN_PATHS
+
+
+_INFERENCE_OVERRIDES = ("dotted overrides of the stored config for what may change after training: data.* (e.g. "
+                        "data.valid=[PREFIX], data.tokenizer=PATH), train.eval_batches, train.micro_batch_seqs, "
+                        "checkpoint.verify, and model fields that keep every weight's shape")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,12 +57,15 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 
     t = verb("train", "train a model from a config (resumes a run directory's latest checkpoint)", _TRAIN_HELP)
-    t.add_argument("config", help="a YAML file or a shipped config's short name (e.g. baseline/tiny)")
+    t.add_argument("config", help="a YAML file, a shipped config's short name (e.g. baseline/tiny) or a run "
+                   "directory to resume")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
 
     e = verb("eval", "validation loss and perplexity of a checkpoint",
-             "example:\n  pretrain eval runs/quickstart --batches 50 --unigram-entropy")
+             "examples:\n  pretrain eval runs/quickstart --batches 50 --unigram-entropy\n"
+             "  pretrain eval runs/quickstart data.valid=[data/other_text_document]\n\n" + _RUN_PATHS)
     e.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    e.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     e.add_argument("--batches", type=int, default=0, help="micro batches to evaluate (default: train.eval_batches)")
     e.add_argument("--unigram-entropy", action="store_true",
                    help="also print the unigram entropy of the validation tokens: a model that learned "
@@ -56,8 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print one JSON object")
 
     g = verb("generate", "sample text from a checkpoint with a KV cache",
-             "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40")
+             "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40\n\n"
+             + _RUN_PATHS)
     g.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    g.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     g.add_argument("--prompt", default="", help="text to continue (default: the beginning of a document)")
     g.add_argument("--max-tokens", type=int, default=100)
     g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -102,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-_CLEAN_ERRORS = {"CheckpointError", "NonFiniteLossError", "IndexedFormatError", "ConfigError"}
+_CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "IndexedFormatError", "ConfigError"}
 
 
 def _info(args) -> int:
@@ -144,7 +163,7 @@ def _eval(args) -> int:
     from pretrain.generate import load_for_inference
     from pretrain.trainer import collator_for, evaluate_loss
 
-    model, spec, cfg, _ = load_for_inference(args.path)
+    model, spec, cfg, _ = load_for_inference(args.path, overrides=args.overrides, need=("tokenizer", "eval"))
     data, available = valid_dataset(cfg.data)
     micro = cfg.train.micro_batch_seqs
     n = min((args.batches or cfg.train.eval_batches) * micro, available)
@@ -183,7 +202,7 @@ def unigram_entropy(data, vocab_size: int) -> float:
 def _generate(args) -> int:
     from pretrain.generate import generate, load_for_inference
 
-    model, spec, cfg, tok = load_for_inference(args.path)
+    model, spec, cfg, tok = load_for_inference(args.path, overrides=args.overrides)
     if tok is None:
         raise ValueError(f"no tokenizer was saved with {args.path}; generation needs one (data.tokenizer)")
     prompt = tok.encode(args.prompt) if args.prompt else []

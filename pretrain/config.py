@@ -10,7 +10,8 @@ field, before any model, dataset or process group exists.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from typing import Any
 
@@ -82,7 +83,7 @@ class DataConfig:
     def resolved_split(self) -> str:
         return self.split or ("1,0,0" if self.valid else "949,50,1")
 
-    def validate(self) -> None:
+    def validate(self, check_files: bool = True) -> None:
         if not self.train:
             raise ConfigError("data.train is empty; give one or more .bin/.idx prefixes "
                               "(make them with `pretrain-data preprocess`)")
@@ -93,11 +94,26 @@ class DataConfig:
             raise ConfigError(f"data.seq_len must be positive, got {self.seq_len}")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
-        for prefix in self.train + self.valid:
-            if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):
-                raise ConfigError(f"data: dataset {prefix!r} not found (expected {prefix}.bin and {prefix}.idx)")
-        if self.tokenizer and not os.path.isfile(self.tokenizer):
-            raise ConfigError(f"data.tokenizer {self.tokenizer!r} does not exist")
+        if check_files:
+            self.check_files()
+
+    def check_files(self, fields: tuple = ("train", "valid", "tokenizer")) -> None:
+        """The datasets and tokenizer named by `fields` exist ("eval": those evaluation reads); else
+        one sentence naming the path and the field to override."""
+        if "eval" in fields:
+            fields = (*fields, *self.eval_fields())
+        for name in ("train", "valid"):
+            for prefix in getattr(self, name) if name in fields else ():
+                if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):
+                    raise ConfigError(f"data.{name}: dataset {prefix!r} not found (expected {prefix}.bin and "
+                                      f"{prefix}.idx); give its location with the override data.{name}=[PREFIX]")
+        if "tokenizer" in fields and self.tokenizer and not os.path.isfile(self.tokenizer):
+            raise ConfigError(f"data.tokenizer {self.tokenizer!r} does not exist; give its location with the "
+                              "override data.tokenizer=PATH")
+
+    def eval_fields(self) -> tuple:
+        """The fields evaluation reads: the validation datasets (data.valid, else a split of data.train)."""
+        return ("valid", "tokenizer") if self.valid else ("train", "tokenizer")
 
 
 @dataclass
@@ -147,6 +163,7 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every step that is a multiple of this (milestones); 0 = none
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
     grace_s: float = 60.0  # a stop signal's checkpoint must be written within this (launchers wait longer)
+    verify: bool = True  # record checksums at save, verify them at load (false: skip both, for very large runs)
 
     def validate(self) -> None:
         if not 0 < self.grace_s < 86400:
@@ -220,15 +237,24 @@ class RunConfig:
         return self.train.global_batch_seqs * self.data.seq_len
 
 
+RUN_CONFIG = "config.yaml"  # a run directory's resolved config
+
+
 def config_path(source: str) -> str:
-    """A YAML path, or a short name like "baseline/tiny" of a config shipped with the package."""
+    """A YAML path, a run directory (its config.yaml), or a short name like "baseline/tiny" of a
+    config shipped with the package."""
+    if os.path.isdir(source) and os.path.isfile(os.path.join(source, RUN_CONFIG)):
+        return os.path.join(source, RUN_CONFIG)
     if os.path.isfile(source):
         return source
     name = source if source.endswith((".yaml", ".yml")) else source + ".yaml"
     shipped = resources.files("configs").joinpath(name)
     if shipped.is_file():
         return str(shipped)
-    raise ConfigError(f"config {source!r} is neither a file nor a shipped config; shipped: {', '.join(shipped_configs())}")
+    if os.path.isdir(source):
+        raise ConfigError(f"{source} is a directory without a {RUN_CONFIG}: not a run directory")
+    raise ConfigError(f"config {source!r} is neither a file, a run directory nor a shipped config; shipped: "
+                      f"{', '.join(shipped_configs())}")
 
 
 def shipped_configs() -> list[str]:
@@ -240,34 +266,87 @@ def shipped_configs() -> list[str]:
     return out
 
 
-def load_config(source: str, overrides: list[str] | tuple = (), check_data: bool = True) -> RunConfig:
-    """Load, merge overrides (`section.key=value`), type-check and validate a run config."""
+def load_config(source: str, overrides: list[str] | tuple = (), check_data: bool = True, log=print) -> RunConfig:
+    """Load, merge overrides (`section.key=value`), type-check and validate a run config. `source`
+    may be a run directory: its stored config, with the paths found where the run now is
+    (pretrain/runs.py) and train.run_dir set to it unless overridden."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     path = config_path(source)
+    raw = _read_yaml(path)
     try:
-        raw = OmegaConf.load(path)
         cli = OmegaConf.from_dotlist(list(overrides))
-    except Exception as e:  # yaml errors and bad dotlists alike
-        raise ConfigError(f"cannot read config {path}: {_one_line(e)}") from None
-    if not OmegaConf.is_dict(raw):
-        raise ConfigError(f"config {path} must be a mapping of sections (model, data, train, ...)")
+    except Exception as e:
+        raise ConfigError(f"cannot read the overrides: {_one_line(e)}") from None
     arch = OmegaConf.select(cli, "model.arch") or OmegaConf.select(raw, "model.arch") or "baseline"
     try:
         merged = OmegaConf.merge(_schema(str(arch)), raw, cli)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config {path}: {_one_line(e)}") from None
+    if os.path.basename(path) == RUN_CONFIG and os.path.isdir(source):
+        from pretrain.runs import relocate
+
+        run_dir = cfg.train.run_dir
+        relocate(cfg, source, log)
+        if OmegaConf.select(cli, "train.run_dir") is not None:
+            cfg.train.run_dir = run_dir
     return cfg.validate(check_data=check_data)
 
 
-def config_from_dict(d: dict, check_data: bool = False) -> RunConfig:
-    """Rebuild a RunConfig from `to_dict()` output (as stored in checkpoints)."""
+def _read_yaml(path: str):
+    """A config file's YAML as an OmegaConf mapping; anything else is one sentence naming the file
+    (never its contents: the file may be anything, /etc/passwd or a binary)."""
     from omegaconf import OmegaConf
 
-    merged = OmegaConf.merge(_schema(d.get("model", {}).get("arch", "baseline")), d)
-    return OmegaConf.to_object(merged).validate(check_data=check_data)
+    expected = "a YAML mapping of sections (model, data, train, ...)"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(8 << 20)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    if not data.strip():
+        raise ConfigError(f"config {path} is empty; expected {expected}")
+    if b"\0" in data:
+        raise ConfigError(f"config {path} is a binary file; expected {expected}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path} is not UTF-8 text; expected {expected}") from None
+    try:
+        raw = OmegaConf.create(text)  # OmegaConf's YAML loader (it reads 1e-3 as a float)
+    except Exception as e:  # yaml's messages quote the offending line: keep only where it is
+        mark = getattr(e, "problem_mark", None) or getattr(getattr(e, "__cause__", None), "problem_mark", None)
+        if mark is None:
+            raise ConfigError(f"config {path} is not {expected}") from None
+        raise ConfigError(f"config {path} is not valid YAML (line {mark.line + 1}, column {mark.column + 1}); "
+                          f"expected {expected}") from None
+    if not OmegaConf.is_dict(raw):
+        raise ConfigError(f"config {path} is not {expected}")
+    sections = [f.name for f in fields(RunConfig)]
+    for key, value in raw.items_ex(resolve=False):
+        if str(key) not in sections:  # a key is named only when it looks like one (not a line of a file)
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,39}", str(key)):
+                raise ConfigError(f"config {path} is not {expected}")
+            raise ConfigError(f"config {path}: unknown section {key!r} (sections: {', '.join(sections)})")
+        if not (value is None or OmegaConf.is_dict(value)):
+            raise ConfigError(f"config {path}: section {key} is not a mapping of fields")
+    return raw
+
+
+def config_from_dict(d: dict, check_data: bool = False, overrides: list[str] | tuple = ()) -> RunConfig:
+    """Rebuild a RunConfig from `to_dict()` output (as stored in checkpoints), with dotted overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(_schema(d.get("model", {}).get("arch", "baseline")), d,
+                                 OmegaConf.from_dotlist(list(overrides)))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"the stored config with overrides {' '.join(overrides)}: {_one_line(e)}") from None
+    return cfg.validate(check_data=check_data)
 
 
 def _schema(arch: str):

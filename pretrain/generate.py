@@ -59,29 +59,37 @@ def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature:
     return out
 
 
-def load_for_inference(path: str, device: str = "cpu"):
-    """(model, spec, config, tokenizer or None) from a run directory or a checkpoint directory."""
+def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tuple = (), log=print,
+                       need: tuple = ("tokenizer",)):
+    """(model, spec, config, tokenizer or None) from a run directory (its latest usable checkpoint,
+    falling back past corrupt ones with a line) or a checkpoint directory (a corrupt file is an error
+    naming it). The stored config's paths are found where the run now is (pretrain/runs.py), then
+    `overrides` apply (only those that keep the trained weights, see runs.check_inference_overrides),
+    then the data files `need` names are checked (DataConfig.check_files)."""
     from data_tools.tokenizer import load_tokenizer
-    from pretrain.checkpoint import latest_checkpoint, load_checkpoint, read_meta
+    from pretrain.checkpoint import latest_checkpoint, load_checkpoint, load_latest, read_meta
     from pretrain.config import config_from_dict
     from pretrain.models import get_arch
+    from pretrain.runs import check_inference_overrides, relocate
 
-    ckpt = path
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        ckpt = latest_checkpoint(path)
-        if ckpt is None:
-            raise ValueError(f"{path} is neither a checkpoint nor a run directory with a complete checkpoint")
-    meta = read_meta(ckpt)
-    cfg = config_from_dict(meta["config"])
+    explicit = os.path.isfile(os.path.join(path, "meta.json"))
+    ckpt = path if explicit else latest_checkpoint(path, log=lambda _: None)  # load_latest says why, below
+    if ckpt is None:
+        raise ValueError(f"{path} is neither a checkpoint nor a run directory with a complete checkpoint")
+    stored = read_meta(ckpt)["config"]
+    check_inference_overrides(stored, overrides)
+    cfg = config_from_dict(stored)
+    relocate(cfg, os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), log)
+    cfg = config_from_dict(cfg.to_dict(), overrides=overrides)
+    cfg.data.check_files(need)
     spec = get_arch(cfg.model.arch)
     with torch.device(device):  # initialised, then overwritten by the checkpoint's weights
         model = spec.build(cfg.model)
-    load_checkpoint(ckpt, model, optimizer=None, restore_rng=False, expect_arch=cfg.model.arch)
+    kw = dict(optimizer=None, restore_rng=False, expect_arch=cfg.model.arch, verify=cfg.checkpoint.verify, log=log)
+    if explicit:
+        load_checkpoint(ckpt, model, **kw)
+    else:
+        load_latest(path, model, **kw)
     model.eval()
-    tokenizer = None
-    if meta.get("tokenizer"):
-        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
-        tok_path = os.path.join(run_dir, "tokenizer", meta["tokenizer"])
-        if os.path.isfile(tok_path):
-            tokenizer = load_tokenizer(tok_path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     return model, spec, cfg, tokenizer

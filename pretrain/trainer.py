@@ -23,7 +23,7 @@ from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import build_engine
 from parallel.mesh import setup_layout
 from parallel.recompute import apply_recompute
-from pretrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from pretrain.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_vocab, train_dataset, valid_dataset
@@ -32,6 +32,7 @@ from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory
 from pretrain.models import count_parameters, get_arch
 from pretrain.optim import lr_at
 from pretrain.preemption import StopOnSignal, StopRequested
+from pretrain.runs import make_absolute
 
 
 class NonFiniteLossError(RuntimeError):
@@ -86,6 +87,7 @@ def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, d
 
 class Trainer:
     def __init__(self, cfg: RunConfig, log=print):
+        make_absolute(cfg)  # the stored config must work from any directory (pretrain/runs.py)
         self.cfg = cfg
         t = cfg.train
         if t.threads:
@@ -124,18 +126,21 @@ class Trainer:
         with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(self.cfg))
         if self.cfg.data.tokenizer:  # a run directory must be usable without the original data tree
-            dest = os.path.join(self.run_dir, "tokenizer")
-            os.makedirs(dest, exist_ok=True)
-            shutil.copy2(self.cfg.data.tokenizer, os.path.join(dest, os.path.basename(self.cfg.data.tokenizer)))
+            dest = os.path.join(self.run_dir, "tokenizer", os.path.basename(self.cfg.data.tokenizer))
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            if not (os.path.exists(dest) and os.path.samefile(dest, self.cfg.data.tokenizer)):  # resumed on its copy
+                shutil.copy2(self.cfg.data.tokenizer, dest)
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir, log=self.log)
+        if not self.cfg.checkpoint.resume:  # starting over would delete that run's checkpoints
+            if (path := latest_checkpoint(self.run_dir, log=self.log)) is not None:
+                raise ValueError(f"{self.run_dir} already holds checkpoints ({os.path.basename(path)}) and "
+                                 "checkpoint.resume=false; choose another train.name or train.run_dir, or delete it")
+            return
+        path, meta = load_latest(self.run_dir, self.engine, restore_rng=True, expect_arch=self.cfg.model.arch,
+                                 verify=self.cfg.checkpoint.verify, log=self.log)
         if path is None:
             return
-        if not self.cfg.checkpoint.resume:  # starting over would delete that run's checkpoints
-            raise ValueError(f"{self.run_dir} already holds checkpoints ({os.path.basename(path)}) and "
-                             "checkpoint.resume=false; choose another train.name or train.run_dir, or delete it")
-        meta = load_checkpoint(path, self.engine, restore_rng=True, expect_arch=self.cfg.model.arch)
         self.step, self.consumed = int(meta["step"]), int(meta["consumed_samples"])
         self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed")
 
@@ -158,7 +163,8 @@ class Trainer:
         meta = {"consumed_samples": self.consumed, "config": self.cfg.to_dict(),
                 "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None}
         c = self.cfg.checkpoint
-        return save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every)
+        return save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every,
+                               checksums=c.verify)
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> dict:

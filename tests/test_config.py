@@ -63,16 +63,41 @@ def test_bad_settings_are_refused_in_one_sentence(overrides, message):
 
 
 def test_missing_and_malformed_files(tmp_path):
-    with pytest.raises(ConfigError, match="neither a file nor a shipped config; shipped: baseline/"):
+    with pytest.raises(ConfigError, match="neither a file, a run directory nor a shipped config; shipped: baseline/"):
         load_config("baseline/huge")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("model: [unclosed\n")
-    with pytest.raises(ConfigError, match="cannot read config"):
-        load_config(str(bad))
-    scalar = tmp_path / "scalar.yaml"
-    scalar.write_text("42\n")
-    with pytest.raises(ConfigError, match="cannot read config .*Invalid loaded object type"):
-        load_config(str(scalar))
+    with pytest.raises(ConfigError, match="is a directory without a config.yaml: not a run directory"):
+        load_config(str(tmp_path))
+
+
+SECRET = "root:x:0:0:root:/root:/bin/bash"  # what must never reach an error message
+
+
+@pytest.mark.parametrize("content, message", [
+    (f"{SECRET}\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n".encode(), "is not a YAML mapping of sections"),
+    (b"", "is empty; expected a YAML mapping of sections"),
+    (b"  \n\n", "is empty; expected a YAML mapping of sections"),
+    (b"\x7fELF\x02\x01\x01\x00" + SECRET.encode() + b"\x00\x00", "is a binary file; expected a YAML mapping"),
+    (b"train:\n  name: caf\xe9 " + SECRET.encode(), "is not UTF-8 text; expected a YAML mapping"),
+    (b"42\n", "is not a YAML mapping of sections"),
+    (f"- {SECRET}\n- b\n".encode(), "is not a YAML mapping of sections"),
+    (f"model: [{SECRET}\n".encode(), r"is not valid YAML \(line 2, column 1\); expected a YAML mapping"),
+    (f"model: {SECRET}\n".encode(), "section model is not a mapping of fields"),
+])
+def test_a_file_that_is_not_a_config_is_named_never_echoed(tmp_path, content, message):
+    path = tmp_path / "not-a-config.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message) as e:
+        load_config(str(path))
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+    assert "root:" not in str(e.value) and "daemon" not in str(e.value) and "ELF" not in str(e.value)
+
+
+def test_cli_train_on_a_system_file_prints_one_line(tmp_path):
+    path = tmp_path / "passwd"
+    path.write_text(f"{SECRET}\n" * 30)
+    out = subprocess.run([sys.executable, "-m", "pretrain.cli", "train", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "root:" not in out.stderr + out.stdout
+    assert f"config {path} is not a YAML mapping of sections" in out.stderr
 
 
 def test_cli_info_json_and_help():

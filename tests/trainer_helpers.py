@@ -74,3 +74,17 @@ def step_losses(run_dir) -> dict:
     from pretrain.metrics import read_metrics
 
     return {r["step"]: r["loss"] for r in read_metrics(str(run_dir))}
+
+
+def write_word_tokenizer(path) -> str:
+    """A Hugging Face tokenizer.json for the Markov corpus: ids 0-4 are the specials, 5.. are words
+    "t5" ... (so generation from a run of that corpus decodes to text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "<pad>", "<predict>"])}
+    vocab.update({f"t{i}": i for i in range(5, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>", "<pad>", "<predict>"])
+    tok.save(str(path))
+    return str(path)
