@@ -68,6 +68,7 @@ def test_round_trip_is_exact_and_resume_is_bit_identical(tmp_path):
     fresh, fresh_opt = tiny(seed=1)
     meta = load_checkpoint(path, fresh, fresh_opt, expect_arch="baseline")
     assert torch.equal(torch.rand(8), after_save)  # RNG restored
+    assert meta.pop("checksums")["algorithm"] == "xxh3_128"  # (tests/test_checkpoint_integrity.py)
     assert meta == {**META, "schema_version": SCHEMA_VERSION, "step": 2}
     assert fresh.head.weight is fresh.embed.weight  # still tied
     assert_same_model(model, fresh)
@@ -198,8 +199,11 @@ def test_damaged_data_bytes_are_a_one_line_error(tmp_path):
     with open(os.path.join(path, "__0_0.distcp"), "r+b") as f:  # the first tensor record's header
         f.seek(64)
         f.write(b"\x00" * 64)
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:  # the checksum sees it first
         load_checkpoint(path, *tiny(seed=1))
+    assert one_line(e).startswith(f"checkpoint {path} is corrupt (__0_0.distcp does not match the checksum")
+    with pytest.raises(CheckpointError) as e:  # unverified, DCP's own failure is still one line
+        load_checkpoint(path, *tiny(seed=1), verify=False)
     assert one_line(e).startswith(f"checkpoint {path} could not be loaded")
 
 
