@@ -82,7 +82,7 @@ def relocate(cfg, run_dir: str, log=print) -> None:
 # or only say where things are. model.* fields are allowed when every weight keeps its shape (an
 # architecture's inference-time fields, such as a loop count, pass; widths and depths do not).
 INFERENCE_FIELDS = {"data": None, "checkpoint": {"verify"},
-                    "train": {"eval_batches", "micro_batch_seqs", "device", "precision", "threads"}}
+                    "train": {"eval_batches", "micro_batch_seqs"}}
 
 
 def check_inference_overrides(stored: dict, overrides: list[str]) -> None:
