@@ -1,31 +1,51 @@
-"""Reference causal attention, optionally restricted to tokens of the same document.
+"""Reference causal attention: the definition every fast path is tested against.
 
-This is the definition the fast kernels are tested against. Shapes follow SDPA: q, k, v are
-[B, H, T, Dh]. `doc_ids` [B, T] numbers the documents packed into each sample; with it, token t
-attends to token s only when s <= t and doc_ids[s] == doc_ids[t].
+Deliberately naive and independent of torch's SDPA: explicit scores, an explicit boolean mask, an
+explicit softmax. It computes in the input dtype, so float64 inputs give a float64 answer that the
+fast paths are compared with.
+
+Shapes follow SDPA: q [B, H, Tq, Dh], k and v [B, H, Tk, Dh]. Queries sit at absolute positions
+offset .. offset+Tq-1 (offset > 0 in streaming decode, after that many cached tokens), keys at
+0 .. Tk-1. Query i attends to key j when j <= offset + i and, if `doc_ids` [B, Tk] is given, both
+tokens belong to the same document of the packed sample.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+
+def allowed_mask(Tq: int, Tk: int, offset: int = 0, doc_ids: Tensor | None = None,
+                 device: torch.device | str | None = None) -> Tensor:
+    """Boolean [B or 1, 1, Tq, Tk] mask, True where query i may attend to key j."""
+    if doc_ids is not None:
+        device = doc_ids.device
+    q_pos = torch.arange(offset, offset + Tq, device=device)
+    k_pos = torch.arange(Tk, device=device)
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, Tq, Tk]
+    if doc_ids is not None:
+        q_doc = doc_ids[:, offset : offset + Tq]
+        allowed = allowed & (q_doc[:, :, None] == doc_ids[:, None, :])  # [B, Tq, Tk]
+    return allowed[:, None]
 
 
 def document_causal_mask(doc_ids: Tensor) -> Tensor:
     """Boolean [B, 1, T, T] mask, True where attention is allowed (causal and same document)."""
     T = doc_ids.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same_doc & causal)[:, None]
+    return allowed_mask(T, T, 0, doc_ids)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None) -> Tensor:
-    """Causal softmax attention [B, H, T, Dh] -> [B, H, T, Dh]; documents isolated when doc_ids is given.
-
-    Without doc_ids this is SDPA's own causal path (flash / memory-efficient kernels when available).
-    A sample that holds a single document needs no mask either, but checking that would cost a
-    device sync per call, so an explicit mask is used whenever doc_ids is passed.
-    """
-    if doc_ids is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids), scale=scale)
+def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
+              offset: int = 0) -> Tensor:
+    """softmax(q k^T * scale, masked) v, [B, H, Tq, Dh] -> [B, H, Tq, Dh]; scale defaults to 1/sqrt(Dh)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-2, -1)) * scale
+    mask = allowed_mask(q.shape[-2], k.shape[-2], offset, doc_ids, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    # Subtracting the row max keeps exp from overflowing; the softmax does not depend on it, so it is
+    # detached (its true gradient is zero, and amax's backward would only add rounding noise).
+    # Every row keeps at least its diagonal key, so no row is all -inf.
+    weights = (scores - scores.amax(-1, keepdim=True).detach()).exp()
+    weights = weights / weights.sum(-1, keepdim=True)
+    return weights @ v

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kernels.attention import attention
+from kernels.attention import attention, cached_attention
 from parallel.layers import ColumnLinear, LMHead, RowLinear, VocabEmbedding
 from pretrain.models.registry import ArchSpec, register
 
@@ -117,8 +117,7 @@ class Attention(nn.Module):
             cache.k[layer][:, :, start : start + T] = k
             cache.v[layer][:, :, start : start + T] = v
             keys, values = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril_(start)
-            y = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            y = cached_attention(q, keys, values, start)
         return self.proj(y.transpose(1, 2).flatten(2))
 
 
