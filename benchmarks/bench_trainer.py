@@ -101,7 +101,7 @@ def main() -> None:
         collate = Collator(eod_id=None)
         batches = [collate(ds.get_many(range(i * MICRO, (i + 1) * MICRO))) for i in range(16)]
         spec = get_arch("baseline")
-        flops = spec.flops_per_token(cfg.model, T)
+        flops = spec.flops_per_token(cfg.model, T, None)
         peak = probe_cpu_peak_tflops(2)
         bare, ours = [], []
         for r in range(args.rounds):

@@ -5,7 +5,7 @@ The trainer drives every engine through the same calls and never branches on whi
     engine = build_engine(model, cfg)            # after parallel.mesh.setup_layout, model built under it
     for i, batch in enumerate(micro_batches):
         with engine.accumulating(last=i == n - 1):
-            loss, diag = engine.forward(batch)
+            loss, diag = engine.forward(batch, ctx)   # the model contract: pretrain/models/base.py
             engine.backward(loss * weight_i)
     grad_norm = engine.finish_grads(max_norm)    # reduce, clip; the pre-clip norm (None: known after step)
     engine.step(); engine.zero_grad()

@@ -76,6 +76,12 @@ class VocabEmbedding(nn.Embedding):
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
 
 
+def _at_least_fp32(x: Tensor) -> Tensor:
+    """Logits in float32 for softmax statistics under bf16, kept in float64 when computed in it
+    (the registry-wide tests compare decode paths in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class LMHead(nn.Module):
     """Output projection and cross-entropy, fused so that TP can keep the logits vocab-parallel.
 
@@ -104,7 +110,7 @@ class LMHead(nn.Module):
     def _local_logits(self, h: Tensor) -> Tensor:
         lay = layout()
         if not lay.megatron_layers:
-            return F.linear(h, self.weight).float()
+            return _at_least_fp32(F.linear(h, self.weight))
         from megatron.core.tensor_parallel import mappings
 
         if lay.sp:  # [B, T/tp, d] -> [B, T, d]; the backward reduce-scatters the vocab-partial grads

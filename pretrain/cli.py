@@ -16,10 +16,8 @@ _INFO_HELP = """examples:
 
 Parameters are counted on the meta device (nothing is allocated): shared (tied) tensors count once;
 the token embedding and an untied output head count as embedding.
-flops_per_token is training FLOPs per token at data.seq_len T, from the architecture's own formula.
-For the baseline: 6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T, i.e. forward x 3 (forward plus
-backward), 2 FLOPs per multiply-add, the output head included, attention scores and values at full
-length T (L layers, width d, FFN width f, vocabulary V)."""
+flops_per_token is training FLOPs per token at data.seq_len T from the architecture's own formula
+(printed with it; for an architecture whose work is drawn per step, the expected value)."""
 
 _RUN_PATHS = """A run's paths are stored absolute; one that no longer exists is looked up at the same place
 relative to the run directory (a run moved together with its data works), and the tokenizer falls
@@ -134,15 +132,17 @@ def _info(args) -> int:
     spec = get_arch(cfg.model.arch)
     with torch.device("meta"):
         counts = count_parameters(spec.build(cfg.model))
-    flops = spec.flops_per_token(cfg.model, cfg.data.seq_len)
+    flops = spec.flops_per_token(cfg.model, cfg.data.seq_len, None)
     out = {"params_total": counts["total"], "params_embedding": counts["embedding"],
-           "params_non_embedding": counts["non_embedding"], "flops_per_token": flops}
+           "params_non_embedding": counts["non_embedding"], "flops_per_token": flops,
+           "flops_formula": spec.flops_formula}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"{cfg.model.arch}: {counts['total']:,} parameters ({counts['embedding']:,} embedding, "
               f"{counts['non_embedding']:,} non-embedding); {flops / 1e9:,.3f} GFLOP per training token "
               f"at T={cfg.data.seq_len}; {flops * cfg.tokens_per_step / 1e12:,.1f} TFLOP per step")
+        print(f"FLOPs per token = {spec.flops_formula}")
     return 0
 
 

@@ -187,7 +187,7 @@ class LogConfig:
 
 @dataclass
 class RunConfig:
-    model: Any = None  # the architecture's config dataclass (BaselineConfig, ...)
+    model: Any = None  # the architecture's config: a pretrain.models.base.ModelConfig subclass
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -206,9 +206,6 @@ class RunConfig:
         refuse = spec.supports.refusal(self.parallel)
         if refuse:
             raise ConfigError(f"model.arch {spec.name!r}: {refuse}")
-        if self.parallel.pp > 1 and spec.pipeline_split is None:
-            raise ConfigError(f"parallel.pp={self.parallel.pp}: model.arch {spec.name!r} has no pipeline split "
-                              "in its registry entry")
         if self.parallel.recompute != "none" and spec.recompute_units is None:
             raise ConfigError(f"parallel.recompute={self.parallel.recompute}: model.arch {spec.name!r} names no "
                               "recompute units in its registry entry")

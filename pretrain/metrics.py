@@ -2,6 +2,8 @@
 
 metrics.jsonl holds one JSON object per logged step. The keys `step`, `loss`, `lr`, `tokens_per_s`
 (and `val_loss`, `val_ppl` on evaluation steps) are a stable interface: plots and checks read them.
+`tokens_per_s` and `tflops` are the whole job's, `*_per_device` and `mfu` per device; a model's
+diagnostics appear under their own names (`val_<name>` on evaluation steps).
 """
 from __future__ import annotations
 
@@ -126,13 +128,16 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def progress_line(r: dict, max_steps: int) -> str:
-    """One line per logged step: what a user watches to see if the run is healthy and fast."""
+def progress_line(r: dict, max_steps: int, diagnostics: tuple = ()) -> str:
+    """One line per logged step: what a user watches to see if the run is healthy and fast. Speed is
+    per device (tok/s, TFLOP/s, MFU against the device's peak), as one compares it across layouts;
+    `diagnostics` names the model's diagnostics worth a place on the line (all are in metrics.jsonl)."""
     t = r["time_split"]
+    extra = "".join(f" | {name} {r[name]:.4g}" for name in diagnostics if name in r)
     return (
-        f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
-        f"gnorm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | {r['tflops']:.2f} TFLOP/s "
-        f"MFU {100 * r['mfu']:.1f}% | mem {r['memory_gb']:.2f} GB | "
+        f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f}{extra} | lr {r['lr']:.2e} | "
+        f"gnorm {r['grad_norm']:.3f} | {r['tokens_per_s_per_device']:,.0f} tok/s/dev | "
+        f"{r['tflops_per_device']:.2f} TFLOP/s/dev MFU {100 * r['mfu']:.1f}% | mem {r['memory_gb']:.2f} GB | "
         f"data {t['data']:.0%} fwd {t['forward']:.0%} bwd {t['backward']:.0%} opt {t['optimizer']:.0%} | "
         f"ETA {format_duration(r['eta_s'])}"
     )

@@ -1,12 +1,14 @@
-"""The training loop: one code path for every architecture, single process in this version.
+"""The training loop: one code path for every architecture and every parallel layout.
 
     Trainer(load_config("baseline/tiny")).fit()
 
 Each optimizer step: set the lr from the stateless schedule, run the micro batches of one global
-batch (gradient accumulation), clip, step. Every `log_every` steps a progress line and a
-metrics.jsonl record; every `eval_every` steps a validation pass; every `checkpoint.every` steps an
-atomic checkpoint. The data position is the count of consumed samples, so a resumed run reads
-exactly the samples the uninterrupted run would have.
+batch (gradient accumulation) through `model(batch, ctx)` (the contract of pretrain/models/base.py:
+ctx carries the step and its seed), clip, step. Every `log_every` steps a progress line and a
+metrics.jsonl record (the loss and the model's diagnostics, token-weighted over micro batches and
+ranks; FLOPs summed step by step from the registry's formula); every `eval_every` steps a validation
+pass; every `checkpoint.every` steps an atomic checkpoint. The data position is the count of
+consumed samples, so a resumed run reads exactly the samples the uninterrupted run would have.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from pretrain.data.build import check_vocab, train_dataset, valid_dataset
 from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch
+from pretrain.models.base import EVAL, StepContext
 from pretrain.optim import lr_at
 from pretrain.preemption import StopOnSignal, StopRequested
 from pretrain.runs import make_absolute
@@ -67,22 +70,33 @@ def collator_for(data) -> Collator:
 
 @torch.no_grad()
 def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, device, autocast=nullcontext) -> dict:
-    """Token-weighted mean loss over samples [0, num_samples) of a validation dataset; with several
-    data-parallel ranks each takes every n-th micro batch and the sums are reduced."""
+    """Token-weighted mean loss (and diagnostics, as val_<name>) over samples [0, num_samples) of a
+    validation dataset; with several data-parallel ranks each takes every n-th micro batch and the
+    sums are reduced."""
     rank, size = world()
     was_training = model.training
     model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss x tokens, tokens
-    for start in range(rank * micro_batch, num_samples, micro_batch * size):
+    sums, names = torch.zeros(2, dtype=torch.float64, device=device), []
+    starts = list(range(rank * micro_batch, num_samples, micro_batch * size))
+    # A rank left without a batch still runs one, weighted 0, so that every rank reduces the same
+    # diagnostics (their names are known only from a forward).
+    weight = 1.0 if starts else 0.0
+    for start in (starts or [0]) if num_samples else []:
         batch = collate(dataset.get_many(range(start, min(num_samples, start + micro_batch)))).to(device)
         with autocast():
-            loss, _ = model(batch)
-        tokens = batch.loss_mask.sum()
-        sums += torch.stack([loss.double() * tokens, tokens.double()])
+            loss, diag = model(batch, EVAL)
+        if not names and diag:  # loss x tokens, each diagnostic x tokens, tokens
+            names = sorted(diag)
+            sums = torch.zeros(len(names) + 2, dtype=torch.float64, device=device)
+        tokens = batch.loss_mask.sum().double() * weight
+        sums += torch.stack([loss.double(), *(diag[n].double() for n in names), torch.ones_like(tokens)]) * tokens
     all_reduce_sum(sums, "validation loss")
     model.train(was_training)
-    val_loss = float(sums[0]) / max(float(sums[1]), 1.0)
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(sums[1])}
+    tokens = max(float(sums[-1]), 1.0)
+    val_loss = float(sums[0]) / tokens
+    out = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": int(sums[-1])}
+    out.update({f"val_{n}": float(sums[1 + i]) / tokens for i, n in enumerate(names)})
+    return out
 
 
 class Trainer:
@@ -115,7 +129,7 @@ class Trainer:
         self.collate = collator_for(cfg.data)
         self.train_data = train_dataset(cfg.data)
         self.valid_data, self.valid_samples = valid_dataset(cfg.data)
-        self.flops_per_token = self.spec.flops_per_token(cfg.model, cfg.data.seq_len)
+        self.flops_per_token = self.spec.flops_per_token(cfg.model, cfg.data.seq_len, None)  # expected; per step in the loop
         self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.log.peak_tflops)
 
     # -- setup ---------------------------------------------------------------------------------
@@ -180,25 +194,33 @@ class Trainer:
         Each micro batch's mean loss is weighted by its share of the global batch's target tokens
         (times dp_size, which the engine's gradient averaging divides out), so the gradient is that
         of the token-weighted mean over the global batch whatever the micro batch or rank count.
+        The model's diagnostics get the same weights (without the gradient), summed into `window`.
         """
         t0 = time.perf_counter()
+        ctx = StepContext.for_step(self.cfg.train.seed, self.step)
         micro = [next(batches).to(self.device, non_blocking=True) for _ in range(n_micro)]
         tokens = torch.stack([b.loss_mask.sum() for b in micro]).float()
         total = all_reduce_sum(tokens.sum(), "target token count").clamp(min=1.0)
         weights = tokens * (self.dp_size / total)
         step_loss = torch.zeros((), device=self.device)
+        diagnostics = window["diagnostics"]
         window["data"] += time.perf_counter() - t0
         engine = self.engine
         for i, batch in enumerate(micro):
             t1 = time.perf_counter()
             with engine.accumulating(last=i == n_micro - 1):
                 with self._autocast():
-                    loss, _ = engine.forward(batch)
+                    loss, diag = engine.forward(batch, ctx)
                 t2 = time.perf_counter()
                 engine.backward(loss * weights[i])
             step_loss += loss.detach() * (weights[i] / self.dp_size)
+            for name, value in diag.items():
+                share = value.detach().float() * (weights[i] / self.dp_size)
+                diagnostics[name] = diagnostics[name] + share if name in diagnostics else share
             window["forward"] += t2 - t1
             window["backward"] += time.perf_counter() - t2
+        window["flops"] += self.spec.flops_per_token(self.cfg.model, self.cfg.data.seq_len, ctx) * \
+            self.cfg.tokens_per_step
         return step_loss, engine.finish_grads(self.cfg.optim.grad_clip)
 
     def fit(self) -> dict:
@@ -253,7 +275,6 @@ class Trainer:
                 last = self.step == t.max_steps
                 do_eval = last or (t.eval_every and self.step % t.eval_every == 0)
                 if do_eval or self.step % t.log_every == 0:
-                    all_reduce_sum(window["loss"], "logged loss")
                     record = self._record(window, lr, grad_norm, cfg.tokens_per_step)
                     if do_eval:
                         record.update(self.evaluate())
@@ -261,7 +282,7 @@ class Trainer:
                         metrics.write(record)
                         if wandb is not None:
                             wandb.log(record)
-                    self.log(progress_line(record, t.max_steps) + (
+                    self.log(progress_line(record, t.max_steps, self.spec.progress) + (
                         f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else ""))
                     window = self._new_window()
                 if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
@@ -285,20 +306,26 @@ class Trainer:
         return record
 
     def _new_window(self) -> dict:
-        return dict(loss=torch.zeros((), device=self.device), steps=0, data=0.0, forward=0.0, backward=0.0,
-                    optimizer=0.0, t0=time.perf_counter())
+        return dict(loss=torch.zeros((), device=self.device), diagnostics={}, steps=0, flops=0.0, data=0.0,
+                    forward=0.0, backward=0.0, optimizer=0.0, t0=time.perf_counter())
 
     def _record(self, w: dict, lr: float, grad_norm, tokens_per_step: int) -> dict:
+        names = sorted(w["diagnostics"])  # the loss and every diagnostic summed over ranks at once
+        sums = all_reduce_sum(torch.stack([w["loss"], *(w["diagnostics"][n] for n in names)]), "logged loss")
         elapsed = max(time.perf_counter() - w["t0"], 1e-9)
         steps = max(w["steps"], 1)
         tokens_per_s = steps * tokens_per_step / elapsed
-        tflops = tokens_per_s * self.flops_per_token / 1e12
+        tflops = w["flops"] / elapsed / 1e12
+        devices = self.layout.world
         parts = {k: w[k] for k in ("data", "forward", "backward", "optimizer")}
         busy = max(sum(parts.values()), 1e-9)
+        values = sums.tolist()
         return {
-            "step": self.step, "loss": float(w["loss"]) / steps, "lr": lr, "grad_norm": float(grad_norm),
-            "tokens_per_s": tokens_per_s, "tflops": tflops,
-            "mfu": tflops / (self.peak_tflops * self.layout.world) if self.peak_tflops else 0.0,  # peak is per rank
+            "step": self.step, "loss": values[0] / steps, "lr": lr, "grad_norm": float(grad_norm),
+            **{n: v / steps for n, v in zip(names, values[1:])},
+            "tokens_per_s": tokens_per_s, "tflops": tflops,  # the whole job's
+            "tokens_per_s_per_device": tokens_per_s / devices, "tflops_per_device": tflops / devices,
+            "mfu": tflops / devices / self.peak_tflops if self.peak_tflops else 0.0,  # the peak is per device
             "memory_gb": memory_gb(self.device), "time_split": {k: v / busy for k, v in parts.items()},
             "eta_s": (self.cfg.train.max_steps - self.step) * elapsed / steps,
             "consumed_samples": self.consumed, "tokens": self.consumed * self.cfg.data.seq_len,

@@ -2,49 +2,46 @@
 CART's R loops), registered as "test_looped" when this module is imported.
 
 It exists to prove that weight reuse within a step works with activation checkpointing under every
-data-parallel engine (gradients reduced once, recomputation that replays the same block).
+data-parallel engine (gradients reduced once, recomputation that replays the same block), and that
+the decoder skeleton (pretrain/models/decoder.py) serves a looped model: its init sees the effective
+depth, its decode cache has a slot per application, its FLOPs count every application.
 """
 from dataclasses import dataclass
 
 from torch import nn
 
-from parallel.layers import LMHead, VocabEmbedding
-from pretrain.models import baseline
+from pretrain.models import baseline, decoder
 from pretrain.models.registry import ArchSpec, Support, register
 
 
 @dataclass
 class LoopedConfig(baseline.BaselineConfig):
     arch: str = "test_looped"
-    loops: int = 3  # applications of the one block per forward
+    loops: int = 3  # applications of the one block per forward (model.n_layers is not used)
 
 
-class Looped(baseline.TransformerPP):
+class Looped(decoder.Decoder):
     def __init__(self, cfg: LoopedConfig):
-        nn.Module.__init__(self)
-        cfg.validate()
-        self.cfg = cfg
-        self.embed = VocabEmbedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std)
-        self.block = baseline.Block(cfg)
-        self.blocks = [self.block] * cfg.loops  # the same module, applied `loops` times by hidden()
-        self.norm = baseline.RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.head = LMHead(cfg.d_model, cfg.vocab_size, tied=self.embed, init_std=cfg.init_std)
-        cos, sin = baseline.rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        super().__init__(cfg, depth=cfg.loops)
+        self.block = baseline.Block(cfg, depth=cfg.loops)
+
+    def applications(self) -> list[nn.Module]:
+        return [self.block] * self.cfg.loops
 
 
-SPEC = register(ArchSpec(
-    name="test_looped", config_cls=LoopedConfig, build=Looped,
-    flops_per_token=lambda cfg, T: cfg.loops * baseline.flops_per_token(cfg, T),
-    new_state=baseline.new_state, step=baseline.step, tp_dims=baseline.tp_dims,
-    recompute_units=lambda model: [model.block],
-))
+def flops_per_token(cfg: LoopedConfig, seq_len: int, ctx=None) -> float:
+    return baseline.flops_per_token(cfg, seq_len, ctx, depth=cfg.loops)
+
+
+ENTRY = dict(config_cls=LoopedConfig, build=Looped, flops_per_token=flops_per_token,
+             flops_formula=baseline.FLOPS_FORMULA.replace("L block applications", "L = loops applications"),
+             new_state=decoder.new_state, step=decoder.step, logits=decoder.logits, tp_dims=baseline.tp_dims)
+SPEC = register(ArchSpec(name="test_looped", recompute_units=lambda model: [model.block], **ENTRY))
 
 # The same model with a restricted support matrix, to test that refusals happen in validate().
 RESTRICTED = register(ArchSpec(
-    name="test_looped_restricted", config_cls=LoopedConfig, build=Looped,
-    flops_per_token=SPEC.flops_per_token, new_state=baseline.new_state, step=baseline.step,
+    name="test_looped_restricted", **ENTRY,
     supports=Support(tp=False, sp=False, zero_stages=(0, 1, 2),
-                     reasons={"tp": "its time loop is strictly sequential", "zero": "not shown to work yet"}),
+                     reasons={"tp": "its time loop is strictly sequential", "sp": "it refuses tensor parallelism",
+                              "zero": "not shown to work yet"}),
 ))

@@ -1,5 +1,5 @@
-"""The training loop end to end on CPU: golden loss curve, exact resume after SIGKILL, metrics,
-evaluation, generation, and what bad input does."""
+"""The training loop end to end on CPU: golden loss curve, metrics, evaluation, generation, and what
+bad input does (exact resume after SIGKILL is a registry-wide test: tests/test_registry.py)."""
 import json
 import os
 import signal
@@ -64,34 +64,6 @@ def test_metrics_records_have_the_stable_keys(tmp_path, corpus):
     assert os.path.isfile(tmp_path / "run" / "config.yaml")
 
 
-def test_sigkill_and_resume_is_bit_identical(tmp_path, corpus):
-    base = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 40, "schedule.warmup_steps": 5,
-                                               "model.d_model": 64, "data.seq_len": 64})
-    whole = [o.replace(str(tmp_path / "run"), str(tmp_path / "whole")) for o in base]
-    assert run_cli("train", "baseline/tiny", *whole).returncode == 0
-
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", "baseline/tiny", *base], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline:  # kill it between the second and the third checkpoint
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 12:
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = len(metrics.read_text().splitlines())
-    assert 12 <= killed_at < 40, "the run must be killed in the middle"
-
-    resumed = run_cli("train", "baseline/tiny", *base)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout
-    want, got = losses(tmp_path / "whole"), losses(tmp_path / "run")
-    assert sorted(got) == list(range(1, 41))
-    assert got == want  # every step, before and after the kill, bit for bit
-
-
 def test_generate_and_eval_from_the_run(tmp_path, corpus):
     Trainer(load_config("baseline/tiny", tiny_overrides(tmp_path, corpus)), log=lambda *_: None).fit()
     out = run_cli("eval", str(tmp_path / "run"), "--json", "--unigram-entropy")
@@ -113,9 +85,9 @@ def test_nan_loss_stops_with_a_diagnostic(tmp_path, corpus):
     original = trainer.model.forward
     calls = {"n": 0}
 
-    def poisoned(batch):
+    def poisoned(batch, ctx):
         calls["n"] += 1
-        loss, diag = original(batch)
+        loss, diag = original(batch, ctx)
         return (loss * float("nan") if calls["n"] > 8 else loss), diag
 
     trainer.engine.forward = poisoned
@@ -190,9 +162,9 @@ def test_nan_policy_skip_drops_the_step_and_goes_on(tmp_path, corpus):
     original = trainer.model.forward
     calls = {"n": 0}
 
-    def poisoned(batch):
+    def poisoned(batch, ctx):
         calls["n"] += 1
-        loss, diag = original(batch)
+        loss, diag = original(batch, ctx)
         return (loss * float("nan") if calls["n"] == 5 else loss), diag  # a micro batch of step 3
 
     trainer.engine.forward = poisoned

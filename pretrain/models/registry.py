@@ -1,9 +1,15 @@
 """One entry per architecture: what the trainer, planner, generator and exporter may ask of it.
 
-The rest of the code reads this registry and never branches on an architecture's name.
+The rest of the code reads this registry and never branches on an architecture's name. A model
+module registers itself when imported (`register(ArchSpec(...))` at its end); the registry imports
+every module of the pretrain.models package, and those named by the `pretrain.architectures` entry
+point group of installed packages, the first time it is asked, so adding an architecture edits no
+shared list.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -18,26 +24,52 @@ class Support:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     reasons: dict[str, str] = field(default_factory=dict)  # feature -> why it is refused
 
+    def __post_init__(self):
+        # A refused feature must say why (the refusal sentence quotes it); pp is refused for every
+        # architecture by ParallelConfig until pipeline parallelism lands.
+        refused = [f for f, ok in (("tp", self.tp), ("sp", self.sp)) if not ok]
+        refused += ["zero"] if set(self.zero_stages) != {0, 1, 2, 3} else []
+        missing = [f for f in refused if not self.reasons.get(f)]
+        if missing:
+            raise ValueError(f"Support refuses {', '.join(missing)} without a reason in `reasons`")
+
     def refusal(self, parallel) -> str | None:
         """Why this architecture cannot run under `parallel` (a ParallelConfig), or None."""
         asks = [("tp", parallel.tp > 1 and not self.tp, f"parallel.tp={parallel.tp}"),
                 ("sp", parallel.sp and not self.sp, "parallel.sp=true"),
-                ("pp", parallel.pp > 1 and not self.pp, f"parallel.pp={parallel.pp}"),
                 ("zero", parallel.zero_stage not in self.zero_stages, f"parallel.zero_stage={parallel.zero_stage}")]
         for feature, refused, setting in asks:
             if refused:
-                return f"{setting} is not supported ({self.reasons.get(feature, 'see its registry entry')})"
+                return f"{setting} is not supported ({self.reasons[feature]})"
         return None
+
+
+@dataclass(frozen=True)
+class DecodeRelation:
+    """How the streaming decode (new_state/step) relates to the parallel forward's logits: "exact"
+    (equal up to float64 rounding; the paper proves it) or "tolerance" (within atol, for the reason
+    in `why`). The registry-wide tests hold every architecture to its declaration."""
+
+    kind: str = "exact"
+    atol: float = 1e-9
+    why: str = ""
 
 
 @dataclass(frozen=True)
 class ArchSpec:
     name: str
-    config_cls: type  # a dataclass with validate()
+    config_cls: type  # a dataclass deriving from pretrain.models.base.ModelConfig, with validate()
     build: Callable[[Any], Any]  # config -> nn.Module, built through parallel.layers only
-    flops_per_token: Callable[[Any, int], float]  # training FLOPs per token at sequence length T
+    # Training FLOPs per token at sequence length T for the step of a StepContext (an architecture
+    # whose work depends on a per-step draw, like CRT's K, computes that step's); ctx None: the
+    # expected value over the draws (what `pretrain info` prints).
+    flops_per_token: Callable[..., float]
     new_state: Callable[[Any, int], Any]  # (model, batch size) -> empty streaming cache
     step: Callable[[Any, Any, Any], tuple[Any, Any]]  # (model, tokens [B, n], state) -> (logits, state)
+    logits: Callable[[Any, Any], Any]  # (model, tokens [B, T]) -> full-sequence logits [B, T, V], float32
+    flops_formula: str = ""  # flops_per_token in words and symbols, printed by `pretrain info`
+    decode: DecodeRelation = DecodeRelation()
+    progress: tuple[str, ...] = ()  # diagnostics shown on the progress line (all go to metrics.jsonl)
     supports: Support = Support()
     # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; each must divide by parallel.tp
     tp_dims: Callable[[Any], dict[str, int]] | None = None
@@ -71,6 +103,11 @@ _REGISTRY: dict[str, ArchSpec] = {}
 
 
 def register(spec: ArchSpec) -> ArchSpec:
+    from pretrain.models.base import ModelConfig
+
+    if not (isinstance(spec.config_cls, type) and issubclass(spec.config_cls, ModelConfig)):
+        raise TypeError(f"architecture {spec.name!r}: its config class must derive from "
+                        "pretrain.models.base.ModelConfig")
     if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
         raise ValueError(f"architecture {spec.name!r} is registered twice")
     _REGISTRY[spec.name] = spec
@@ -78,7 +115,7 @@ def register(spec: ArchSpec) -> ArchSpec:
 
 
 def get_arch(name: str) -> ArchSpec:
-    _load_builtin()
+    _discover()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -86,10 +123,28 @@ def get_arch(name: str) -> ArchSpec:
 
 
 def all_archs() -> list[ArchSpec]:
-    _load_builtin()
+    _discover()
     return [_REGISTRY[n] for n in sorted(_REGISTRY)]
 
 
-def _load_builtin() -> None:
-    # Importing a model module registers it; done lazily so `pretrain --help` stays fast.
-    from pretrain.models import baseline  # noqa: F401
+_DISCOVERED = False
+
+
+def _discover() -> None:
+    """Import every module of this package and of the `pretrain.architectures` entry points (each
+    registers itself); once, and lazily, so `pretrain --help` stays fast."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True  # before the imports: a model module may itself ask the registry
+    try:
+        package = importlib.import_module("pretrain.models")
+        for module in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"pretrain.models.{module.name}")
+        from importlib.metadata import entry_points
+
+        for entry in entry_points(group="pretrain.architectures"):
+            entry.load()
+    except BaseException:
+        _DISCOVERED = False
+        raise

@@ -1,0 +1,66 @@
+"""What every architecture shares with the rest of the code: its config's base and the step context.
+
+The model contract (docs/adding-an-architecture.md):
+
+    loss, diagnostics = model(batch, ctx)
+
+- `batch` is a pretrain.data.Batch; `loss` is the mean next-token loss over the tokens where
+  `batch.loss_mask` is True (the trainer weights micro batches by that count, so the step's loss is
+  the token mean over the global batch).
+- `ctx` is a StepContext: the optimizer step, whether this is training or evaluation, and a per-step
+  seed that every rank and a resumed run share. A per-step draw (CRT's K, CART's R) comes from
+  `ctx.generator()`, never from the global RNG, so it is the same on every rank and after a resume.
+- `diagnostics` maps names to scalar tensors, each a token mean over this micro batch like the loss;
+  the trainer reduces them the same way (token-weighted over micro batches and data-parallel ranks)
+  and logs them; in evaluation (`ctx.training` False) they are logged as `val_<name>`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class ModelConfig:
+    """Fields the trainer, the data path and the CLI read from every architecture's config."""
+
+    arch: str = ""
+    vocab_size: int = 50304
+    max_seq_len: int = 4096  # the longest sequence the model accepts (RoPE table, decode cache)
+    # The parameter count the architecture's paper gives for this config (0: none declared), checked
+    # by the registry-wide tests; params_rounded: the paper rounds it (checked within 0.1%).
+    paper_params: int = 0
+    paper_params_rounded: bool = False
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.paper_params < 0:
+            raise ValueError(f"model.paper_params must be >= 0, got {self.paper_params}")
+
+
+def step_seed(run_seed: int, step: int) -> int:
+    """A 63-bit seed for step `step` of a run seeded `run_seed`: a pure function of both (numpy's
+    SeedSequence mixes them), so ranks and resumed runs agree without communicating."""
+    return int(np.random.SeedSequence([run_seed, step]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    step: int = 0  # the optimizer step being computed (0-based)
+    seed: int = 0  # step_seed(train.seed, step)
+    training: bool = True
+
+    @classmethod
+    def for_step(cls, run_seed: int, step: int, training: bool = True) -> "StepContext":
+        return cls(step, step_seed(run_seed, step), training)
+
+    def generator(self, device="cpu") -> torch.Generator:
+        """A generator seeded for this step: draws from it are the same on every rank."""
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+
+EVAL = StepContext(training=False)  # the context of an evaluation or inference forward

@@ -1,0 +1,131 @@
+"""The decoder skeleton every architecture here shares: embed -> trunk -> final norm -> head.
+
+A subclass builds its blocks and says, through `applications()`, which block each step of the trunk
+applies, in order: a plain stack lists each block once; a looped or recurrent model lists its shared
+block several times. The skeleton then provides the training forward (the model contract of
+pretrain/models/base.py), full-sequence logits, and a streaming decode whose cache holds one slot per
+block application. `depth` (the number of block applications) is known before the blocks are built,
+so their initialisation can scale with the effective depth.
+
+Pieces more than one architecture uses live here too: RMSNorm, the RoPE tables, the KV cache.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from parallel.layers import LMHead, VocabEmbedding
+from pretrain.models.base import EVAL
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (bf16 statistics are too coarse)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin [max_len, head_dim / 2] for rotating the pairs (x[2i], x[2i+1]) (Llama's layout)."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, Dh]; cos, sin [B, 1, T, Dh/2] already gathered at the tokens' positions."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values for streaming decode, one slot per block application, [B, H, max_len, Dh]
+    each, filled to `length` (a block applied three times per token keeps three slots)."""
+
+    def __init__(self, slots: int, batch_size: int, heads: int, max_len: int, head_dim: int, device, dtype):
+        shape = (batch_size, heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
+        self.length = 0
+        self.max_len = max_len
+
+
+class Decoder(nn.Module):
+    """embed -> applications() -> norm -> head, with RoPE tables; see the module docstring.
+
+    The config needs vocab_size, d_model, n_heads, head_dim, max_seq_len, rope_theta, norm_eps,
+    tie_embeddings, document_mask and init_std (pretrain/models/baseline.py's BaselineConfig has them).
+    """
+
+    def __init__(self, cfg, depth: int):
+        super().__init__()
+        cfg.validate()
+        self.cfg, self.depth = cfg, depth
+        self.embed = VocabEmbedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head = LMHead(cfg.d_model, cfg.vocab_size, tied=self.embed if cfg.tie_embeddings else None,
+                           init_std=cfg.init_std)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def applications(self) -> list[nn.Module]:
+        """The blocks the trunk applies, in order (a shared block appears once per application)."""
+        raise NotImplementedError
+
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None = None,
+               cache: KVCache | None = None) -> Tensor:
+        """Final-normed hidden states [B, T, d] of tokens [B, T] at positions [B, T]."""
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        h = self.embed(tokens)
+        for slot, block in enumerate(self.applications()):
+            h = block(h, cos, sin, doc_ids, cache, slot)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        return self.norm(h)
+
+    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
+        """Mean next-token loss over the batch's loss_mask, and diagnostics (none here)."""
+        doc_ids = batch.doc_ids if self.cfg.document_mask else None
+        h = self.hidden(batch.tokens, batch.positions, doc_ids)
+        return self.head.loss(h, batch.labels, batch.loss_mask), {}
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        """Full-sequence logits [B, T, V] (float32) of tokens [B, T], each row one document from position 0."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return self.head.logits(self.hidden(tokens, positions))
+
+    def new_state(self, batch_size: int) -> KVCache:
+        p, cfg = self.embed.weight, self.cfg
+        return KVCache(len(self.applications()), batch_size, cfg.n_heads, cfg.max_seq_len, cfg.head_dim,
+                       p.device, p.dtype)
+
+    def step(self, tokens: Tensor, state: KVCache) -> tuple[Tensor, KVCache]:
+        """Feed tokens [B, n] after the cached ones; logits [B, n, V] (float32)."""
+        n = tokens.shape[1]
+        if state.length + n > state.max_len:
+            raise ValueError(f"generation would exceed model.max_seq_len {state.max_len}")
+        positions = torch.arange(state.length, state.length + n, device=tokens.device).expand(tokens.shape[0], n)
+        return self.head.logits(self.hidden(tokens, positions, None, state)), state
+
+
+# Registry functions of any Decoder (ArchSpec.new_state / step / logits)
+def new_state(model: Decoder, batch_size: int) -> KVCache:
+    return model.new_state(batch_size)
+
+
+def step(model: Decoder, tokens: Tensor, state: KVCache) -> tuple[Tensor, KVCache]:
+    return model.step(tokens, state)
+
+
+def logits(model: Decoder, tokens: Tensor) -> Tensor:
+    return model.logits(tokens)

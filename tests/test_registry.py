@@ -1,0 +1,183 @@
+"""Registry-wide tests: what every architecture passes once it registers (docs/adding-an-architecture.md).
+
+Parametrized over the registry, so an architecture that registers later is covered at once:
+registration rules, the parameter counts its shipped configs declare, streaming decode against the
+parallel forward in float64 (chunked prefill, then token by token) as its entry declares, generation
+from a trained tiny run, a golden loss curve, and SIGKILL-then-resume bit for bit. Each shipped
+architecture runs from its `configs/<arch>/tiny.yaml`; the test architectures of looped_model.py
+reuse the baseline's. The layout matrix is tests/test_layout_matrix.py.
+
+Golden curves live in tests/golden_losses.json; a new architecture records its own with
+`PRETRAIN_RECORD_GOLDEN=1 pytest tests/test_registry.py -k golden` (and says why in its commit).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import looped_model  # noqa: F401  (registers the test architectures)
+from pretrain.cli import main
+from pretrain.config import load_config, shipped_configs
+from pretrain.metrics import read_metrics
+from pretrain.models import ArchSpec, Support, all_archs, count_parameters, get_arch, register
+from pretrain.trainer import Trainer
+from trainer_helpers import VOCAB, write_markov_corpus, write_word_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_losses.json")
+ALL = [s.name for s in all_archs()]
+SHIPPED = [a for a in ALL if not a.startswith("test_")]  # runnable from the command line
+
+
+def tiny_config(arch: str) -> tuple[str, list[str]]:
+    """(config, overrides) of an architecture's tiny config; test architectures borrow the baseline's."""
+    return ("baseline/tiny", [f"model.arch={arch}"]) if arch.startswith("test_") else (f"{arch}/tiny", [])
+
+
+def run_overrides(tmp, corpus, tokenizer="''", **extra) -> list[str]:
+    """A seconds-long run of any tiny config on the Markov corpus (only ModelConfig's fields change)."""
+    values = {"model.vocab_size": VOCAB, "data.train": f"[{corpus}]", "data.valid": "[]", "data.split": "90,10",
+              "data.tokenizer": tokenizer, "data.seq_len": 32, "data.num_workers": 0, "data.cache_dir": f"{tmp}/cache",
+              "train.run_dir": f"{tmp}/run", "train.max_steps": 12, "train.global_batch_seqs": 8,
+              "train.micro_batch_seqs": 4, "train.log_every": 1, "train.eval_every": 0, "train.eval_batches": 2,
+              "train.threads": 1, "train.compile": "false", "schedule.warmup_steps": 3, "checkpoint.every": 4,
+              "log.peak_tflops": 1.0, **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def losses(run_dir) -> dict:
+    return {r["step"]: r["loss"] for r in read_metrics(str(run_dir))}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
+
+
+def test_registration_rules():
+    from pretrain.models.base import ModelConfig
+
+    assert all(issubclass(s.config_cls, ModelConfig) for s in all_archs())
+    base = dict(build=None, flops_per_token=None, new_state=None, step=None, logits=None)
+    with pytest.raises(TypeError, match="must derive from pretrain.models.base.ModelConfig"):
+        register(ArchSpec(name="test_bad", config_cls=dict, **base))
+    with pytest.raises(ValueError, match="refuses tp, zero without a reason"):
+        Support(tp=False, zero_stages=(0, 1), reasons={"sp": "x"})
+    # Model modules are found by the registry; it imports none of them itself (no cycle).
+    code = ("import sys, pretrain.models.registry as r; assert 'pretrain.models.baseline' not in sys.modules; "
+            "print(r.get_arch('baseline').name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0 and out.stdout.strip() == "baseline", out.stderr
+
+
+def test_shipped_configs_have_the_parameter_counts_they_declare():
+    declared = set()
+    for name in shipped_configs():
+        cfg = load_config(name, check_data=False)
+        if not cfg.model.paper_params:
+            continue
+        declared.add(cfg.model.arch)
+        with torch.device("meta"):
+            total = count_parameters(get_arch(cfg.model.arch).build(cfg.model))["total"]
+        if cfg.model.paper_params_rounded:
+            assert abs(total - cfg.model.paper_params) <= 1e-3 * cfg.model.paper_params, name
+        else:
+            assert total == cfg.model.paper_params, name
+    assert declared >= set(SHIPPED), f"no shipped config declares its paper's count: {set(SHIPPED) - declared}"
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_streaming_decode_equals_the_parallel_forward(arch):
+    spec = get_arch(arch)
+    config, over = tiny_config(arch)
+    cfg = load_config(config, over + [f"model.vocab_size={VOCAB}"], check_data=False)
+    torch.manual_seed(0)
+    model = spec.build(cfg.model).double().eval()
+    tokens = torch.randint(5, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = spec.logits(model, tokens)
+        state = spec.new_state(model, 2)
+        pieces, state = [spec.step(model, tokens[:, :5], state)[0]], state  # chunked prefill, then one by one
+        for t in range(5, 13):
+            logits, state = spec.step(model, tokens[:, t : t + 1], state)
+            pieces.append(logits)
+    streamed = torch.cat(pieces, dim=1)
+    assert full.dtype == streamed.dtype == torch.float64 and full.shape == (2, 13, VOCAB)
+    atol = 1e-10 if spec.decode.kind == "exact" else spec.decode.atol
+    assert spec.decode.kind in ("exact", "tolerance") and (spec.decode.kind == "exact" or spec.decode.why)
+    torch.testing.assert_close(streamed, full, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("arch", SHIPPED)
+def test_generate_from_a_trained_tiny_run(arch, tmp_path, corpus, capsys):
+    config, over = tiny_config(arch)
+    tok = write_word_tokenizer(tmp_path / "tok.json")
+    Trainer(load_config(config, over + run_overrides(tmp_path, corpus, tok, **{"train.max_steps": 4})),
+            log=lambda *_: None).fit()
+    capsys.readouterr()
+    argv = ["generate", str(tmp_path / "run"), "--prompt", "t5 t9", "--max-tokens", "6", "--seed", "3"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("t5 t9") and len(first.strip()) > len("t5 t9")  # something was sampled
+    assert main(argv) == 0 and capsys.readouterr().out == first  # the same seed, the same sample
+
+
+@pytest.mark.parametrize("arch", SHIPPED)
+def test_golden_loss_curve(arch, tmp_path, corpus):
+    config, over = tiny_config(arch)
+    threads = torch.get_num_threads()
+    try:
+        Trainer(load_config(config, over + run_overrides(tmp_path, corpus)), log=lambda *_: None).fit()
+    finally:
+        torch.set_num_threads(threads)
+    got = [losses(tmp_path / "run")[s] for s in range(1, 13)]
+    golden = json.load(open(GOLDEN_FILE)) if os.path.exists(GOLDEN_FILE) else {}
+    if os.environ.get("PRETRAIN_RECORD_GOLDEN") == "1" and arch not in golden:
+        golden[arch] = got
+        with open(GOLDEN_FILE, "w") as f:
+            json.dump(golden, f, indent=1, sort_keys=True)
+    assert arch in golden, f"no golden curve for {arch}: record it with PRETRAIN_RECORD_GOLDEN=1"
+    # Exact on the recording machine; another CPU may pick other SIMD kernels, hence 1e-6 relative.
+    assert got == pytest.approx(golden[arch], rel=1e-6)
+    assert got[-1] < got[0]
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("arch", SHIPPED)
+def test_sigkill_and_resume_is_bit_identical(arch, tmp_path, corpus):
+    config, over = tiny_config(arch)
+    base = over + run_overrides(tmp_path, corpus, **{"train.max_steps": 40, "schedule.warmup_steps": 5,
+                                                     "checkpoint.every": 5})
+    whole = [o.replace(str(tmp_path / "run"), str(tmp_path / "whole")) for o in base]
+    assert run_cli("train", config, *whole).returncode == 0
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", config, *base], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline:  # kill it between the second and the third checkpoint
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 12:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(metrics.read_text().splitlines())
+    assert 12 <= killed_at < 40, "the run must be killed in the middle"
+
+    resumed = run_cli("train", config, *base)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    want, got = losses(tmp_path / "whole"), losses(tmp_path / "run")
+    assert sorted(got) == list(range(1, 41))
+    assert got == want  # every step, before and after the kill, bit for bit
