@@ -14,6 +14,8 @@ import json
 import os
 import sysconfig
 
+from .files import atomic_write
+
 # Test suites and the IDE are mostly code, not prose; site-packages is not the standard library.
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "lib2to3"}
 _MIN_CHARS = 200  # shorter docstrings are one-liners that teach a model little
@@ -69,12 +71,10 @@ def write_embedded_corpus(out_dir: str, valid_every: int = 20) -> dict:
     for split in ("train", "valid"):
         keep = [(i, d) for n, (i, d) in enumerate(docs) if (n % valid_every == valid_every - 1) == (split == "valid")]
         path = os.path.join(out_dir, f"{split}.jsonl")
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            for doc_id, text in keep:
-                line = json.dumps({"id": doc_id, "text": text}, ensure_ascii=False) + "\n"
-                f.write(line)
-                h.update(line.encode())
-        os.replace(path + ".tmp", path)
+        data = "".join(json.dumps({"id": doc_id, "text": text}, ensure_ascii=False) + "\n"
+                       for doc_id, text in keep).encode("utf-8")
+        h.update(data)
+        atomic_write(path, data)
         summary[split] = {"path": path, "documents": len(keep), "characters": sum(len(t) for _, t in keep)}
     summary["sha256"] = h.hexdigest()
     return summary

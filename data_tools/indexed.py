@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import atomic_write, fsync_path  # fsync_path stays importable from here
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # 34
@@ -81,15 +83,6 @@ def file_stamp(path: str | os.PathLike) -> list[int]:
     """[size, mtime_ns] of a file: what caches derived from it are keyed by."""
     st = os.stat(path)
     return [st.st_size, st.st_mtime_ns]
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file or a directory by path (a directory's fsync makes its renames durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _token_limits(dtype: np.dtype) -> tuple[int, int]:
@@ -462,11 +455,8 @@ class IndexedDataset:
         top = -1
         for start in range(0, len(tokens), chunk_tokens):
             top = max(top, int(tokens[start : start + chunk_tokens].max()))
-        try:  # a read-only dataset directory just means no cache
-            tmp = f"{cache}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"max_token_id": top, "stamp": stamp}, f)
-            os.replace(tmp, cache)
+        try:  # a read-only dataset directory just means no cache; a torn one is rescanned
+            atomic_write(cache, json.dumps({"max_token_id": top, "stamp": stamp}), fsync=False)
         except OSError:
             pass
         return top

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .files import atomic_write
 from .indexed import IndexedDataset, IndexedWriter, bin_path, idx_path, optimal_dtype
 from .sources import Chunk, InputError, Skip, expand_inputs, plan_chunks, read_chunk
 
@@ -315,11 +316,7 @@ def _finish_partition(parts_dir: str, p: int, writers: dict, stats: Stats) -> No
     for w in writers.values():
         w.finalize()
     marker = os.path.join(parts_dir, f"part-{p:05d}.done.json")
-    with open(marker + ".tmp", "w") as f:
-        json.dump(stats.to_json(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(marker + ".tmp", marker)  # the marker makes the partition count as done on resume
+    atomic_write(marker, json.dumps(stats.to_json()))  # the marker makes the partition count as done on resume
 
 
 def _merge_partitions(prefixes: list[str], final: str, dtype) -> None:

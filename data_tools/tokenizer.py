@@ -16,10 +16,12 @@ import itertools
 import os
 import random
 import re
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
+
+from .errors import first_line
+from .files import atomic_write
 
 SPECIAL_PIECES = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
 PREDICT_PIECE = "<predict>"
@@ -40,12 +42,6 @@ HF_NAMES = {
 _RESERVED_OPTIONS = {"unk_id", "bos_id", "eos_id", "pad_id", "unk_piece", "bos_piece", "eos_piece",
                      "pad_piece", "control_symbols", "model_prefix", "input", "sentence_iterator",
                      "model_writer", "input_sentence_size", "shuffle_input_sentence"}
-
-
-def _one_line(error: BaseException | str, limit: int = 300) -> str:
-    """Library errors can span lines (tracebacks, C++ check text); callers get one short line."""
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Tokenizer(ABC):
@@ -147,7 +143,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             self._sp = spm.SentencePieceProcessor(model_file=self.path)
         except (RuntimeError, OSError) as e:
-            raise ValueError(f"{self.path}: not a sentencepiece model ({_one_line(e)})") from None
+            raise ValueError(f"{self.path}: not a sentencepiece model ({first_line(e)})") from None
 
     def _default(self, name: str) -> int | None:
         if name == "predict":
@@ -187,7 +183,7 @@ class HFTokenizer(Tokenizer):
         try:
             self._tok = Backend.from_file(self.path)
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
-            raise ValueError(f"{self.path}: not a Hugging Face tokenizer.json ({_one_line(e)})") from None
+            raise ValueError(f"{self.path}: not a Hugging Face tokenizer.json ({first_line(e)})") from None
         added = self._tok.get_added_tokens_decoder()  # id -> AddedToken
         self._added = {t.content: i for i, t in added.items()}
         # Text that happens to spell a special token ("<|endoftext|>" in a web page) must be encoded
@@ -409,8 +405,8 @@ def train_sentencepiece(texts: Iterable[str], output_prefix: str | os.PathLike, 
         raise RuntimeError(f"{prefix}: trained model has special pieces {pieces}")
     # .vocab first: the .model appearing is what marks a finished training.
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    _write_atomic(prefix + ".vocab", _vocab_text(sp).encode("utf-8"))
-    _write_atomic(prefix + ".model", model)
+    atomic_write(prefix + ".vocab", _vocab_text(sp))
+    atomic_write(prefix + ".model", model)
     return prefix + ".model"
 
 
@@ -419,25 +415,9 @@ def _vocab_text(sp) -> str:
     return "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
 
 
-def _write_atomic(path: str, data: bytes) -> None:
-    """Write to a temporary file in the same directory, then rename: readers never see half a file."""
-    directory, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a tokenizer is meant to be shared
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
-
-
 def _training_error(prefix: str, vocab_size: int, error: RuntimeError) -> Exception:
     """sentencepiece's check failures -> one line saying what to change."""
-    text = _one_line(error)
+    text = first_line(error)
     if "Vocabulary size too high" in text or "Vocabulary size is too high" in text:
         limit = re.search(r"<= (\d+)", text)
         most = f" (this text allows at most {limit.group(1)})" if limit else ""

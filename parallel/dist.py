@@ -17,6 +17,8 @@ import re
 import socket
 from dataclasses import dataclass
 
+from data_tools.errors import first_line
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -151,8 +153,7 @@ def collective(name: str, fn, *args, **kwargs):
         return fn(*args, **kwargs)
     except (RuntimeError, dist.DistError) as e:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CollectiveError(f"rank {rank}: collective {name!r} failed ({first[:300]}); "
+        raise CollectiveError(f"rank {rank}: collective {name!r} failed ({first_line(e)}); "
                               "another rank may have crashed or be stuck") from e
 
 

@@ -9,7 +9,10 @@ layout. Only tensors go through DCP (it would unpickle anything else with weight
 hyperparameters travel as JSON; DCP's own `.metadata` is the one pickle read.
 
 With no process group DCP runs in this process (`no_dist=True`, passed explicitly; DCP would infer it
-and warn). Saving is single-process for now: temp names carry the pid, renames are not coordinated.
+and warn). Under data parallelism saving is collective: every rank writes its part of one DCP
+checkpoint into the temp directory rank 0 names (with rank 0's pid), then rank 0 alone writes
+optim.json and meta.json, renames the directory into place, replaces `latest` and applies retention
+while the others wait at a barrier.
 
 Integrity: every file of the checkpoint but meta.json gets an xxh3-128 checksum at save time,
 recorded in meta.json ("checksums"); loading verifies them before anything is modified (a flipped
@@ -19,7 +22,8 @@ at load. Checkpoints written before checksums existed load with a line saying so
 
 Atomicity: everything is written into `.step_X.tmp-<pid>` and fsynced, meta.json last (its presence
 marks completeness), then renamed into place; `latest` (the newest directory's name) is replaced via
-a fsynced temp file. Deletion renames aside first, so a crash mid-delete leaves no complete-looking husk.
+a fsynced temp file (data_tools.files.atomic_write). Deletion renames aside first, so a crash
+mid-delete leaves no complete-looking husk.
 """
 from __future__ import annotations
 
@@ -41,7 +45,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_model_state_dict,
     set_optimizer_state_dict)
 
-from data_tools.indexed import fsync_path
+from data_tools.errors import first_line
+from data_tools.files import atomic_write, fsync_path
+from data_tools.files import write_file as _write_file  # a module name, so that a test can make it fail
 
 SCHEMA_VERSION = 1
 META_FILE, OPTIM_FILE, LATEST_FILE, DCP_METADATA = "meta.json", "optim.json", "latest", ".metadata"
@@ -62,22 +68,15 @@ class _Unusable(Exception):
     """Why a checkpoint directory is unusable, phrased to follow its name: "is incomplete (...)"."""
 
 
-def _write_file(path: str, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _first_line(e: BaseException) -> str:
+    """"TypeName: first line" (data_tools.errors.first_line) of `e`, or of the first rank's error when
+    DCP wraps them; a damaged pickle is named without torch's advice to unpickle it anyway."""
     if isinstance(e, CheckpointException) and e.failures:  # DCP wraps per-rank tracebacks
         e = next(iter(e.failures.values()))[0]
     if isinstance(e, pickle.UnpicklingError):  # torch.load's message would suggest weights_only=False
         return "UnpicklingError: damaged data"
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    if len(lines) > 1 and lines[0].endswith(":"):  # a heading ("Error(s) in loading state_dict for X:")
-        lines = [f"{lines[0]} {lines[1]}"]
-    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
+    text = first_line(e)
+    return f"{type(e).__name__}: {text}" if str(e).strip() else text
 
 
 @contextlib.contextmanager
@@ -378,9 +377,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
     finally:
         if leader:
             shutil.rmtree(tmp, ignore_errors=True)
-    _write_file(latest_tmp := os.path.join(root, f".{LATEST_FILE}.tmp-{pid}"), name + "\n")
-    os.replace(latest_tmp, os.path.join(root, LATEST_FILE))
-    fsync_path(root)
+    atomic_write(os.path.join(root, LATEST_FILE), name + "\n")
     _retain(root, step, keep_last, keep_every)
     if multi:
         dist.barrier()

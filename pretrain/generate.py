@@ -67,12 +67,12 @@ def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tu
     `overrides` apply (only those that keep the trained weights, see runs.check_inference_overrides),
     then the data files `need` names are checked (DataConfig.check_files)."""
     from data_tools.tokenizer import load_tokenizer
-    from pretrain.checkpoint import latest_checkpoint, load_checkpoint, load_latest, read_meta
+    from pretrain.checkpoint import META_FILE, latest_checkpoint, load_checkpoint, load_latest, read_meta
     from pretrain.config import config_from_dict
     from pretrain.models import get_arch
     from pretrain.runs import check_inference_overrides, relocate
 
-    explicit = os.path.isfile(os.path.join(path, "meta.json"))
+    explicit = os.path.isfile(os.path.join(path, META_FILE))
     ckpt = path if explicit else latest_checkpoint(path, log=lambda _: None)  # load_latest says why, below
     if ckpt is None:
         raise ValueError(f"{path} is neither a checkpoint nor a run directory with a complete checkpoint")

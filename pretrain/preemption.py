@@ -78,7 +78,6 @@ class StopOnSignal:
             if flag and self.signame is None:  # another rank was signalled first
                 self.signame, self.t_signal = "a signal on another rank", time.monotonic()
         return flag
-        return flag
 
     def seconds_since_signal(self) -> float:
         return time.monotonic() - self.t_signal

@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import MISSING, dataclass, field, fields
 
+from data_tools.errors import first_line
+
 LAUNCHERS = ("torchrun", "srun", "mpi")
 
 
@@ -93,5 +95,5 @@ def load_profile(path: str) -> ClusterProfile:
     except FileNotFoundError:
         raise ProfileError(f"cluster profile {path} does not exist") from None
     except yaml.YAMLError as e:
-        raise ProfileError(f"cluster profile {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ProfileError(f"cluster profile {path} is not valid YAML: {first_line(e)}") from None
     return profile_from_dict(data or {}, f"cluster profile {path}")

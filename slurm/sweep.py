@@ -83,6 +83,7 @@ def point_overrides(points_file: str, task: str) -> list[str]:
 def point_status(run_dir: str) -> tuple[str, int, float | None]:
     """(state, last logged step, final validation loss or None) from the run directory alone."""
     from pretrain.metrics import read_metrics
+    from pretrain.preemption import EXIT_REQUEUE
 
     if not os.path.isdir(run_dir):
         return "pending", 0, None
@@ -94,7 +95,7 @@ def point_status(run_dir: str) -> tuple[str, int, float | None]:
     ends = [r for r in read_history(run_dir) if r.get("event") == "end"]
     if ends and ends[-1]["rc"] == 0 and not ends[-1]["stopped"]:
         state = "done"
-    elif ends and ends[-1]["rc"] not in (0, 75):
+    elif ends and ends[-1]["rc"] not in (0, EXIT_REQUEUE):  # a requeue's stop is not a failure
         state = f"failed (exit {ends[-1]['rc']})"
     else:
         state = "running" if step else "started"

@@ -1,4 +1,5 @@
-"""Run one test body on N gloo processes (OLMo-core's pattern): the same body later runs on NCCL.
+"""Run one test body on N gloo processes on the CPU (OLMo-core's pattern). The backend is always gloo:
+no test runs these bodies on NCCL or a GPU.
 
     results = run_ranks(body, world_size=2, args=(x,))   # body(rank, world_size, *args) -> picklable
 

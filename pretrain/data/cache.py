@@ -28,7 +28,8 @@ from typing import Callable
 
 import numpy as np
 
-from data_tools.indexed import fsync_path
+from data_tools.errors import first_line
+from data_tools.files import fsync_path, write_file
 
 META_FILE = "key.json"  # the inputs the key was derived from, for humans debugging a cache
 
@@ -47,8 +48,7 @@ def _load(final: str, names: list[str]) -> dict[str, np.ndarray]:
     try:
         return {n: np.load(os.path.join(final, n + ".npy"), mmap_mode="r") for n in names}
     except (OSError, ValueError, EOFError) as e:  # a damaged or hand-edited cache entry
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise OSError(f"index cache {final} is unreadable ({reason}); delete that directory to rebuild it") from e
+        raise OSError(f"index cache {final} is unreadable ({first_line(e)}); delete that directory to rebuild it") from e
 
 
 def _publish(root: str, key: str, inputs, build: Callable[[], dict[str, np.ndarray]]) -> bool:
@@ -61,10 +61,7 @@ def _publish(root: str, key: str, inputs, build: Callable[[], dict[str, np.ndarr
             path = os.path.join(tmp, name + ".npy")
             np.save(path, np.ascontiguousarray(arr))
             fsync_path(path)
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            f.write(canonical_json(inputs))
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(os.path.join(tmp, META_FILE), canonical_json(inputs))
         fsync_path(tmp)
         try:
             os.rename(tmp, final)
