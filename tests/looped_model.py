@@ -8,9 +8,11 @@ depth, its decode cache has a slot per application, its FLOPs count every applic
 """
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from pretrain.models import baseline, decoder
+from pretrain.models.base import EVAL
 from pretrain.models.registry import ArchSpec, Support, register
 
 
@@ -28,6 +30,16 @@ class Looped(decoder.Decoder):
     def applications(self) -> list[nn.Module]:
         return [self.block] * self.cfg.loops
 
+    def forward(self, batch, ctx=EVAL):
+        """The decoder's loss, with diagnostics that test their reduction: a copy of the loss (reduced
+        like it, so it must log equal to it) and, in training, a draw from the step's generator (the
+        same on every rank and micro batch, so it must log equal to that draw)."""
+        loss, _ = super().forward(batch, ctx)
+        diagnostics = {"loss_copy": loss.detach()}
+        if ctx.training:
+            diagnostics["draw"] = torch.rand((), generator=ctx.generator())
+        return loss, diagnostics
+
 
 def flops_per_token(cfg: LoopedConfig, seq_len: int, ctx=None) -> float:
     return baseline.flops_per_token(cfg, seq_len, ctx, depth=cfg.loops)
@@ -36,7 +48,8 @@ def flops_per_token(cfg: LoopedConfig, seq_len: int, ctx=None) -> float:
 ENTRY = dict(config_cls=LoopedConfig, build=Looped, flops_per_token=flops_per_token,
              flops_formula=baseline.FLOPS_FORMULA.replace("L block applications", "L = loops applications"),
              new_state=decoder.new_state, step=decoder.step, logits=decoder.logits, tp_dims=baseline.tp_dims)
-SPEC = register(ArchSpec(name="test_looped", recompute_units=lambda model: [model.block], **ENTRY))
+SPEC = register(ArchSpec(name="test_looped", recompute_units=lambda model: [model.block], progress=("draw",),
+                         **ENTRY))
 
 # The same model with a restricted support matrix, to test that refusals happen in validate().
 RESTRICTED = register(ArchSpec(

@@ -64,6 +64,28 @@ def test_metrics_records_have_the_stable_keys(tmp_path, corpus):
     assert os.path.isfile(tmp_path / "run" / "config.yaml")
 
 
+def test_diagnostics_and_the_step_context(tmp_path, corpus):
+    """test_looped's diagnostics: a loss copy must be reduced exactly like the loss (micro batches of
+    unequal token counts included), and a draw from ctx.generator() must be the step's own draw."""
+    import looped_model  # noqa: F401
+    from pretrain.models.base import StepContext
+
+    lines = []
+    over = tiny_overrides(tmp_path, corpus, **{"model.arch": "test_looped", "train.max_steps": 4,
+                                               "train.eval_every": 2, "data.mask_cross_document": "true"})
+    Trainer(load_config("baseline/tiny", over), log=lines.append).fit()
+    records = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for r in records:
+        assert r["loss_copy"] == pytest.approx(r["loss"], rel=1e-6)
+        want = torch.rand((), generator=StepContext.for_step(0, r["step"] - 1).generator()).item()
+        assert r["draw"] == pytest.approx(want, rel=1e-6)
+        assert ("val_loss_copy" in r) == ("val_loss" in r) and "val_draw" not in r  # eval has no draw
+        if "val_loss" in r:
+            assert r["val_loss_copy"] == pytest.approx(r["val_loss"], rel=1e-9)
+    assert sum(f"| draw {records[0]['draw']:.4g} |" in ln for ln in lines) == 1  # on the progress line
+
+
 def test_generate_and_eval_from_the_run(tmp_path, corpus):
     Trainer(load_config("baseline/tiny", tiny_overrides(tmp_path, corpus)), log=lambda *_: None).fit()
     out = run_cli("eval", str(tmp_path / "run"), "--json", "--unigram-entropy")
