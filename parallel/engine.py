@@ -21,12 +21,13 @@ Engines: "ddp" (torch DDP, also over the data-parallel group of a TP layout), "m
 from __future__ import annotations
 
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from parallel.dist import collective
-from parallel.layers import is_tensor_parallel
+from parallel.layers import is_tensor_parallel, sequence_parallel_params
 from parallel.mesh import layout
 from pretrain.checkpoint import LocalState
 from pretrain.optim import build_optimizer, clip_grad_norm, set_lr
@@ -69,17 +70,24 @@ class FullState:
 
     def __init__(self, inner, model: torch.nn.Module):
         self.inner, self.has_optimizer = inner, inner.has_optimizer
-        self.sharded = {}
+        self.model = model
+        self.sharded = {}  # parameters and buffers that hold a TP shard, by every name they are saved under
         for module_name, module in model.named_modules():  # a tied weight is also saved under its other names
+            prefix = f"{module_name}." if module_name else ""
             for name, p in module.named_parameters(recurse=False):
                 if is_tensor_parallel(p):
-                    self.sharded[f"{module_name}.{name}" if module_name else name] = p
+                    self.sharded[prefix + name] = p
+            # A module holding a TP-sharded buffer names it in `tp_buffers` {name: partition_dim} (an
+            # attribute on the buffer itself would not survive .to(), which replaces buffers).
+            for name, dim in getattr(module, "tp_buffers", {}).items() if layout().tp > 1 else ():
+                buf = module.get_buffer(name)
+                self.sharded[prefix + name] = SimpleNamespace(partition_dim=dim, partition_stride=1, shape=buf.shape)
 
     def _map(self, model_sd: dict, optim_state: dict | None, fn) -> tuple[dict, dict | None]:
         # (megatron's layers add `_extra_state: None` entries, which hold nothing; they are left out
-        # and recreated by megatron's load hook)
+        # and recreated by megatron's load hook; any other non-tensor is refused by the checkpoint)
         model_sd = {k: fn(v, self.sharded[k]) if k in self.sharded else v for k, v in model_sd.items()
-                    if isinstance(v, torch.Tensor)}
+                    if not (k.endswith("._extra_state") and v is None)}
         if optim_state is not None:
             optim_state = {k: {n: fn(v, self.sharded[k]) if k in self.sharded and v.dim() else v
                                for n, v in s.items()} for k, s in optim_state.items()}
@@ -103,17 +111,11 @@ class FullState:
 
 # -- the shared reductions -------------------------------------------------------------------------
 
-def sequence_parallel_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Under SP every replicated parameter (norm weights and the like) sees only this rank's slice of
-    the sequence, so its gradient is partial and must be summed over the TP group. megatron-core's
-    own norms carry `sequence_parallel`; ours are marked here, for megatron's DDP as well."""
+def sequence_parallel_grads_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Under SP, the parameters whose gradients are partial (each rank saw a slice of the sequence)
+    and must be summed over the TP group: those their layer marked (parallel.layers.RMSNorm)."""
     lay = layout()
-    if not (lay.sp and lay.tp > 1):
-        return []
-    params = [p for p in model.parameters() if not is_tensor_parallel(p)]
-    for p in params:
-        p.sequence_parallel = True
-    return params
+    return sequence_parallel_params(model) if lay.sp and lay.tp > 1 else []
 
 
 def all_reduce_tp_grads(grads: list[torch.Tensor]) -> None:
@@ -162,7 +164,7 @@ class Engine:
                                                                      process_group=lay.dp_group,
                                                                      gradient_as_bucket_view=True)
         self.forward = torch.compile(self.wrapped) if compile else self.wrapped
-        self.sp_params = sequence_parallel_params(model)
+        self.sp_params = sequence_parallel_grads_params(model)
         self.state = FullState(LocalState(model, self.optimizer), model)
 
     # the training step

@@ -1,4 +1,4 @@
-"""The layers through which every model builds its linears, embeddings and loss.
+"""The layers through which every model builds its linears, embeddings, norms and loss.
 
 A model never knows how it is split over processes (torchtitan's rule). With no megatron layout
 (parallel.mesh) these facades are plain torch modules. When the layout uses megatron-core (TP > 1, or
@@ -74,6 +74,33 @@ class VocabEmbedding(nn.Embedding):
 
     def reset_parameters(self) -> None:  # one draw from the generator, as under TP
         nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back (bf16 statistics are too coarse).
+
+    Under sequence parallelism a norm sees only this rank's slice of the sequence, so its weight's
+    gradient is partial: the norm marks its weight `sequence_parallel` (as megatron-core's norms do)
+    and the engines sum exactly the marked gradients over the TP group. A parameter acting on
+    gathered, replicated activations (a gate after a ColumnLinear, say) must stay unmarked."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        lay = layout()
+        if lay.sp and lay.tp > 1:
+            self.weight.sequence_parallel = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradients are partial under sequence parallelism (marked by their layer)."""
+    return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parallel import cpu_shim
 from parallel.dist import collective
-from parallel.engine import Engine, FullState, all_reduce_tp_grads, sequence_parallel_params
+from parallel.engine import Engine, FullState, all_reduce_tp_grads, sequence_parallel_grads_params
 from parallel.mesh import layout
 from pretrain.optim import build_optimizer, kernel_flags, set_lr
 
@@ -43,7 +43,7 @@ class MegatronEngine(Engine):
         lay, o = layout(), cfg.optim
         self.model, self.cfg = model, cfg
         self.distributed = cfg.parallel.distributed_optimizer
-        self.sp_params = sequence_parallel_params(model)
+        self.sp_params = sequence_parallel_grads_params(model)
         # megatron's DDP reads one flag of a TransformerConfig (calculate_per_token_loss); the sizes
         # are placeholders it requires, not our model's.
         tcfg = TransformerConfig(num_layers=1, hidden_size=lay.tp, num_attention_heads=lay.tp,

@@ -149,8 +149,8 @@ class DeepSpeedEngine(Engine):
         self.ds.set_gradient_accumulation_boundary(last)
         return nullcontext()
 
-    def forward(self, batch):
-        return self.ds(batch)
+    def forward(self, batch, ctx):
+        return self.ds(batch, ctx)
 
     def backward(self, loss: torch.Tensor) -> None:
         # The trainer's loss weights already make the mean over micro batches; ZeRO averages over ranks.

@@ -2,7 +2,7 @@
 
 `run_dir/checkpoints/step_00000100/` holds DCP files (`.metadata`, `__*.distcp`) for the tensors
 {"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", ...}}}, "rng": {"torch_cpu",
-"torch_cuda_<i>"}}, `optim.json` (the optimizer's param_groups, parameters named by FQN) and
+"torch_cuda_<i>", "generator.<module>.<attr>" (a torch.Generator the model owns)}}, `optim.json` (the optimizer's param_groups, parameters named by FQN) and
 `meta.json` (the caller's meta plus schema_version and step). State goes through torch's
 get_/set_*_state_dict, so every key is a parameter name and a later load may reshard into another
 layout. Only tensors go through DCP (it would unpickle anything else with weights_only=False), so
@@ -249,11 +249,32 @@ def _to_json(obj, what: str) -> str:
         raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
+def _model_generators(target) -> dict[str, torch.Generator]:
+    """torch.Generator objects the model owns as module attributes, keyed "generator.<module>.<attr>"."""
+    model = getattr(target, "model", None)
+    if model is None:
+        return {}
+    return {f"generator.{name + '.' if name else ''}{attr}": value for name, module in model.named_modules()
+            for attr, value in vars(module).items() if isinstance(value, torch.Generator)}
+
+
+def _rng_state(target=None) -> dict[str, torch.Tensor]:
+    """The global RNGs' states and those of the model's own generators."""
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"torch_cuda_{i}": torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())})
+    rng.update({k: g.get_state() for k, g in _model_generators(target).items()})
     return rng
+
+
+def _set_rng_state(rng: dict[str, torch.Tensor], target) -> None:
+    torch.set_rng_state(rng["torch_cpu"])
+    generators = _model_generators(target)
+    for key, value in rng.items():
+        if key.startswith("torch_cuda_"):
+            torch.cuda.set_rng_state(value, int(key.removeprefix("torch_cuda_")))
+        elif key in generators:
+            generators[key].set_state(value)
 
 
 class LocalState:
@@ -322,8 +343,12 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
     meta = {**meta, "schema_version": SCHEMA_VERSION, "step": step}
     _to_json(meta, "meta")  # refused before anything is written
     target = as_state(model, optimizer)
-    state: dict = {"rng": _rng_state()}
+    state: dict = {"rng": _rng_state(target)}
     state["model"], optim_sd = target.get_state()
+    for key, value in state["model"].items():  # DCP would pickle it, and loading refuses pickles
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model state {key} is a {type(value).__name__}, not a tensor: checkpoints hold "
+                             "tensors only (register it as a buffer, or derive it from the config)")
     if optim_sd is not None:
         if optim_sd["state"]:
             state["optim"] = {"state": optim_sd["state"]}
@@ -471,7 +496,7 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     if restore_rng:
         if "rng.torch_cpu" not in saved:
             raise CheckpointError(f"checkpoint {path} holds no RNG state")
-        state["rng"] = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}  # CUDA only if saved
+        state["rng"] = {k: v for k, v in _rng_state(target).items() if f"rng.{k}" in saved}  # CUDA only if saved
     _check(path, saved, state)
     try:
         with _dcp_call() as kw:
@@ -480,10 +505,7 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} could not be loaded ({_first_line(e)})") from None
     if restore_rng:
-        torch.set_rng_state(state["rng"]["torch_cpu"])
-        for key, value in state["rng"].items():
-            if key.startswith("torch_cuda_"):
-                torch.cuda.set_rng_state(value, int(key.removeprefix("torch_cuda_")))
+        _set_rng_state(state["rng"], target)
     return meta
 
 

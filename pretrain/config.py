@@ -363,8 +363,9 @@ def to_yaml(cfg: RunConfig) -> str:
 
 def _one_line(e: Exception) -> str:
     # OmegaConf messages carry a multi-line "full_key: ... object_type=..." trailer; keep the gist.
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    msg = lines[0] if lines else type(e).__name__
+    from data_tools.errors import first_line
+
+    msg = first_line(e)
     key = getattr(e, "full_key", None)
     return f"{msg} (at {key})" if key and str(key) not in msg else msg
 

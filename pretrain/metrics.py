@@ -12,6 +12,8 @@ import os
 import platform
 import time
 
+from data_tools.files import atomic_write
+
 # Dense bf16 peak TFLOP/s of common training GPUs (vendor figures, no sparsity).
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0,
                    "L40S": 362.0, "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0}
@@ -43,10 +45,7 @@ def probe_cpu_peak_tflops(threads: int, seconds: float = 1.0) -> float:
             a @ b
         best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0) / 1e12)
     os.makedirs(_CACHE_DIR, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"tflops": best, "threads": threads, "n": n}, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps({"tflops": best, "threads": threads, "n": n}), fsync=False)  # a cache
     return best
 
 
@@ -95,10 +94,7 @@ class MetricsLog:
             return
         with open(self.path) as f:
             kept = [ln for ln in f if ln.strip() and _step_of(ln) <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        atomic_write(self.path, "".join(kept))
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record, sort_keys=False) + "\n")

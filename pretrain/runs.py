@@ -89,12 +89,12 @@ def check_inference_overrides(stored: dict, overrides: list[str]) -> None:
     """Refuse, in one sentence naming the field, an override `eval`/`generate` cannot honour."""
     from omegaconf import OmegaConf
 
-    from pretrain.config import ConfigError, config_from_dict
+    from pretrain.config import ConfigError, _one_line, config_from_dict
 
     try:
         cli = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
     except Exception as e:
-        raise ConfigError(f"cannot read the overrides: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"cannot read the overrides: {_one_line(e)}") from None
     allowed = ", ".join(["data.*", "model fields that keep the weights' shapes"]
                         + [f"{s}.{k}" for s, ks in INFERENCE_FIELDS.items() if ks for k in sorted(ks)])
     for section, values in cli.items():

@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from kernels.attention import attention, cached_attention
-from parallel.layers import ColumnLinear, RowLinear
+from parallel.layers import ColumnLinear, RMSNorm, RowLinear
 from pretrain.models import decoder
 from pretrain.models.base import ModelConfig
-from pretrain.models.decoder import Decoder, KVCache, RMSNorm, apply_rope
+from pretrain.models.decoder import Decoder, KVCache, apply_rope
 from pretrain.models.registry import ArchSpec, register
 
 

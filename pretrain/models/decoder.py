@@ -7,29 +7,16 @@ pretrain/models/base.py), full-sequence logits, and a streaming decode whose cac
 block application. `depth` (the number of block applications) is known before the blocks are built,
 so their initialisation can scale with the effective depth.
 
-Pieces more than one architecture uses live here too: RMSNorm, the RoPE tables, the KV cache.
+Pieces more than one architecture uses live here too: the RoPE tables and the KV cache (RMSNorm is a
+parallel.layers facade: it marks itself for sequence parallelism).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
-from parallel.layers import LMHead, VocabEmbedding
+from parallel.layers import LMHead, RMSNorm, VocabEmbedding
 from pretrain.models.base import EVAL
-
-
-class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back (bf16 statistics are too coarse)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
