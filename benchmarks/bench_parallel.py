@@ -99,8 +99,9 @@ def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
     import torch.distributed as dist
 
     from bench_trainer import overrides
-    from parallel.engine import Engine
+    from parallel.engine import Engine, EngineSettings
     from pretrain.config import load_config
+    from pretrain.optim import build_optimizer
     from pretrain.models import count_parameters
     from pretrain.trainer import Trainer
 
@@ -109,7 +110,8 @@ def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
     over = overrides(prefix, workdir, 2 * steps, steps) + ["train.compile=false"] + LAYOUTS[layout]
     trainer = Trainer(load_config("baseline/xs", over), log=lambda *_: None)
     if layout == "ddp":
-        trainer.engine = Engine(trainer.model, trainer.cfg.optim, compile=False, wrap=True)
+        trainer.engine = Engine(trainer.model, build_optimizer(trainer.model, trainer.cfg.optim),
+                                EngineSettings.from_run(trainer.cfg, wrap=True))
         # DDP's reducer calls the process group from C++; torch's Python all-reduce hook routes its
         # buckets through dist.all_reduce, where they are counted
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

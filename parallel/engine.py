@@ -1,18 +1,20 @@
 """Engines: how one training step's gradients are reduced and applied over the layout's ranks.
 
-The trainer drives every engine through the same calls and never branches on which one runs:
+Every engine is built the same way, `Engine(model, optimizer, settings)`, by parallel.apply.parallelize
+(which also applies the layout, recompute and compile first), and the trainer drives every engine
+through the same calls, never branching on which one runs:
 
-    engine = build_engine(model, cfg)            # after parallel.mesh.setup_layout, model built under it
-    for i, batch in enumerate(micro_batches):
-        with engine.accumulating(last=i == n - 1):
-            loss, diag = engine.forward(batch, ctx)   # the model contract: pretrain/models/base.py
-            engine.backward(loss * weight_i)
+    loss, diagnostics, t_fwd, t_bwd = engine.forward_backward(micro_batches, weights, ctx, autocast)
     grad_norm = engine.finish_grads(max_norm)    # reduce, clip; the pre-clip norm (None: known after step)
     engine.step(); engine.zero_grad()
 
-An engine is also the checkpoint view of its model and optimizer (pretrain.checkpoint.as_state): it
-hands over full tensors keyed by the single-device model's parameter names and takes them back,
-whatever its sharding, so checkpoints are layout-free.
+`forward_backward` runs the model contract (`model(batch, ctx) -> (loss, diagnostics)`, see
+pretrain/models/base.py) over one optimizer step's micro batches; a pipeline engine will implement
+it with megatron-core's schedules. `engine.describe()` says what runs, for the start line.
+
+An engine is also the checkpoint view of its model and optimizer (parallel/state.py): it hands over
+full tensors keyed by the single-device model's parameter names and takes them back, whatever its
+sharding, so checkpoints are layout-free.
 
 Engines: "ddp" (torch DDP, also over the data-parallel group of a TP layout), "megatron"
 (megatron-core DDP, optionally its distributed optimizer: parallel/megatron_ddp.py) and "deepspeed"
@@ -20,17 +22,35 @@ Engines: "ddp" (torch DDP, also over the data-parallel group of a TP layout), "m
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from parallel.dist import collective
+from parallel.grads import all_reduce_tp_grads, clip_grad_norm, set_lr, tensor_parallel_grad_norm
 from parallel.layers import is_tensor_parallel, sequence_parallel_params
 from parallel.mesh import layout
-from pretrain.checkpoint import LocalState
-from pretrain.optim import build_optimizer, clip_grad_norm, set_lr
+from parallel.state import LocalState
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine needs from a run's config (read duck-typed: parallel/ imports nothing of pretrain/)."""
+
+    parallel: Any  # a ParallelConfig: data_parallel, zero_stage, distributed_optimizer, timeout_s, ...
+    grad_clip: float  # the max norm finish_grads is called with (DeepSpeed clips inside its step)
+    micro_batch_seqs: int  # sequences per forward/backward on one rank
+    global_batch_seqs: int  # sequences per optimizer step over all data-parallel ranks
+    wrap: bool | None = None  # torch DDP even on one rank (the overhead benchmark); None: when dp > 1
+
+    @classmethod
+    def from_run(cls, cfg, **kw) -> "EngineSettings":
+        return cls(cfg.parallel, cfg.optim.grad_clip, cfg.train.micro_batch_seqs, cfg.train.global_batch_seqs, **kw)
 
 
 # -- full tensors from tensor-parallel shards, and back ---------------------------------------------
@@ -118,31 +138,6 @@ def sequence_parallel_grads_params(model: torch.nn.Module) -> list[torch.nn.Para
     return sequence_parallel_params(model) if lay.sp and lay.tp > 1 else []
 
 
-def all_reduce_tp_grads(grads: list[torch.Tensor]) -> None:
-    """Sum gradients over the TP group in one flat buffer."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    collective("all_reduce(sequence-parallel grads)", dist.all_reduce, flat, group=layout().tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def tensor_parallel_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of the gradients when some parameters are TP shards (their squares summed over
-    the TP group) and the rest are replicated (counted once)."""
-    sharded = [p.grad for p in params if p.grad is not None and is_tensor_parallel(p)]
-    replicated = [p.grad for p in params if p.grad is not None and not is_tensor_parallel(p)]
-    sq = torch.zeros(2, dtype=torch.float32)
-    for i, grads in enumerate((sharded, replicated)):
-        if grads:
-            sq[i] = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-    collective("all_reduce(grad norm)", dist.all_reduce, sq[:1], group=layout().tp_group)
-    return sq.sum().sqrt()
-
-
 # -- torch DDP -------------------------------------------------------------------------------------
 
 class Engine:
@@ -150,24 +145,46 @@ class Engine:
 
     name = "ddp"
 
-    def __init__(self, model: torch.nn.Module, optim_cfg, compile: bool = False, wrap: bool | None = None):
-        """`wrap`: use DDP (default: when there are several data-parallel ranks; the overhead
-        benchmark forces it at one rank)."""
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: EngineSettings):
         lay = layout()
-        self.model = model
-        self.optimizer = build_optimizer(model, optim_cfg)
+        self.model, self.optimizer, self.settings = model, optimizer, settings
         self.wrapped = model
-        if lay.dp > 1 if wrap is None else wrap:
+        if lay.dp > 1 if settings.wrap is None else settings.wrap:
             device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
             # gradient_as_bucket_view: gradients live in DDP's buckets (no copy in and out per step)
             self.wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
                                                                      process_group=lay.dp_group,
                                                                      gradient_as_bucket_view=True)
-        self.forward = torch.compile(self.wrapped) if compile else self.wrapped
+        self.forward = self.wrapped
         self.sp_params = sequence_parallel_grads_params(model)
         self.state = FullState(LocalState(model, self.optimizer), model)
 
+    def describe(self) -> str:
+        return "torch DDP" if self.wrapped is not self.model else "single process"
+
     # the training step
+    def forward_backward(self, micro_batches: list, weights: torch.Tensor, ctx, autocast=nullcontext):
+        """Forward and backward of one optimizer step's micro batches, micro batch i's loss scaled by
+        weights[i]; returns (sum of weights[i] x loss_i, {name: sum of weights[i] x diagnostic_i},
+        forward seconds, backward seconds). Gradients stay unreduced until the last micro batch."""
+        loss_sum = torch.zeros((), device=weights.device)
+        diagnostics: dict = {}
+        t_fwd = t_bwd = 0.0
+        for i, batch in enumerate(micro_batches):
+            t1 = time.perf_counter()
+            with self.accumulating(last=i == len(micro_batches) - 1):
+                with autocast():
+                    loss, diag = self.forward(batch, ctx)
+                t2 = time.perf_counter()
+                self.backward(loss * weights[i])
+            loss_sum += loss.detach() * weights[i]
+            for name, value in diag.items():
+                share = value.detach().float() * weights[i]
+                diagnostics[name] = diagnostics[name] + share if name in diagnostics else share
+            t_fwd += t2 - t1
+            t_bwd += time.perf_counter() - t2
+        return loss_sum, diagnostics, t_fwd, t_bwd
+
     def accumulating(self, last: bool):
         """Skip the gradient all-reduce on all but the last micro batch of a step."""
         if last or not hasattr(self.wrapped, "no_sync"):
@@ -199,7 +216,7 @@ class Engine:
     def grad_norm_after_step(self) -> torch.Tensor:
         raise NotImplementedError(f"the {self.name} engine reports the grad norm from finish_grads")
 
-    # the checkpoint view (pretrain.checkpoint.as_state)
+    # the checkpoint view (parallel/state.py)
     has_optimizer = True
 
     def get_state(self):
@@ -215,15 +232,14 @@ class Engine:
         self.state.set_state(model_sd, optim_state, groups)
 
 
-def build_engine(model: torch.nn.Module, cfg) -> Engine:
-    """The engine `cfg.parallel.data_parallel` names, around a model built under the current layout."""
-    kind = cfg.parallel.data_parallel
-    if kind == "megatron":
+def engine_class(data_parallel: str) -> type[Engine]:
+    """The engine parallel.data_parallel names (its module imported only when chosen)."""
+    if data_parallel == "megatron":
         from parallel.megatron_ddp import MegatronEngine
 
-        return MegatronEngine(model, cfg)
-    if kind == "deepspeed":
+        return MegatronEngine
+    if data_parallel == "deepspeed":
         from parallel.zero import DeepSpeedEngine
 
-        return DeepSpeedEngine(model, cfg)
-    return Engine(model, cfg.optim, compile=cfg.train.compile)
+        return DeepSpeedEngine
+    return Engine

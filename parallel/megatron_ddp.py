@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from parallel import cpu_shim
 from parallel.dist import collective
-from parallel.engine import Engine, FullState, all_reduce_tp_grads, sequence_parallel_grads_params
+from parallel.engine import Engine, EngineSettings, FullState, sequence_parallel_grads_params
+from parallel.grads import all_reduce_tp_grads, set_lr
 from parallel.mesh import layout
-from pretrain.optim import build_optimizer, kernel_flags, set_lr
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -35,14 +35,17 @@ def named_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
 class MegatronEngine(Engine):
     name = "megatron"
 
-    def __init__(self, model: torch.nn.Module, cfg):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: EngineSettings):
+        """megatron builds its own optimizer over its gradient buffers; it takes the hyperparameters,
+        the weight-decay grouping (for checkpoints) and the kernel flags of the trainer's `optimizer`."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer import TransformerConfig
 
-        lay, o = layout(), cfg.optim
-        self.model, self.cfg = model, cfg
-        self.distributed = cfg.parallel.distributed_optimizer
+        lay, o = layout(), optimizer.defaults
+        self.model, self.settings = model, settings
+        self.distributed = settings.parallel.distributed_optimizer
+        self.groups = named_param_groups(model, optimizer)  # what checkpoints store as param_groups
         self.sp_params = sequence_parallel_grads_params(model)
         # megatron's DDP reads one flag of a TransformerConfig (calculate_per_token_loss); the sizes
         # are placeholders it requires, not our model's.
@@ -52,8 +55,8 @@ class MegatronEngine(Engine):
                                  params_dtype=torch.float32)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 use_distributed_optimizer=self.distributed)
-        ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
-                               adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.grad_clip,
+        ocfg = OptimizerConfig(optimizer="adam", lr=o["lr"], weight_decay=o["weight_decay"], adam_beta1=o["betas"][0],
+                               adam_beta2=o["betas"][1], adam_eps=o["eps"], clip_grad=settings.grad_clip,
                                use_distributed_optimizer=self.distributed, params_dtype=torch.float32)
         with cpu_shim.scoped():
             self.wrapped = DistributedDataParallel(tcfg, ddp_cfg, model)
@@ -61,16 +64,19 @@ class MegatronEngine(Engine):
         # megatron applies each group's wd_mult (0 for norms and biases) in its lr scheduler, which we
         # do not use (the trainer sets the lr): apply it here, as our AdamW groups do
         for group in self.optimizer.param_groups:
-            group["weight_decay"] = o.weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = o["weight_decay"] * group.get("wd_mult", 1.0)
         # without apex or Transformer Engine megatron builds torch's AdamW with no kernel flags, which on
         # CPU means a per-parameter loop: give it the kernels our own AdamW uses
+        flags = {k: o[k] for k in ("fused", "foreach") if k in o}
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             if isinstance(opt.optimizer, torch.optim.Adam):  # torch's AdamW is an Adam subclass
-                flags = kernel_flags(o, (p for g in opt.optimizer.param_groups for p in g["params"]))
                 for group in opt.optimizer.param_groups:
                     group.update(flags)
         self.forward = self.wrapped
         self.state = FullState(_MegatronState(self), model)
+
+    def describe(self) -> str:
+        return "megatron-core DDP" + (" + distributed optimizer" if self.distributed else "")
 
     def accumulating(self, last: bool):
         # overlap_grad_reduce is off: gradients accumulate in megatron's buffers until finish_grads
@@ -104,8 +110,7 @@ class _MegatronState:
     def __init__(self, engine: MegatronEngine):
         self.engine, self.model = engine, engine.model
         self.params = dict(engine.model.named_parameters())  # tied weights once, under their first name
-        # what checkpoints store as param_groups: our AdamW's grouping (built once; it holds no state)
-        self.groups = named_param_groups(self.model, build_optimizer(self.model, engine.cfg.optim))
+        self.groups = engine.groups  # what checkpoints store as param_groups: the trainer's AdamW grouping
 
     def _owned(self) -> dict[str, tuple[dict, torch.Tensor, int, int]]:
         """name -> (the torch optimizer state holding it, the tensor that state is keyed by, start and

@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO stage 1/2/3 behind the trainer's Engine interface (parallel/engine.py).
 
-    engine = DeepSpeedEngine(model, cfg)   # cfg.parallel.data_parallel == "deepspeed"
+    engine = DeepSpeedEngine(model, optimizer, settings)   # settings.parallel.data_parallel == "deepspeed"
 
-Our own AdamW (pretrain.optim.build_optimizer, with its weight-decay groups) is handed to
+The trainer's AdamW (pretrain.optim.build_optimizer, with its weight-decay groups) is handed to
 deepspeed.initialize, which flattens and partitions it: ZeRO-1 shards the optimizer state, ZeRO-2
 also the reduced gradients, ZeRO-3 also the parameters. fp32 throughout.
 
@@ -15,7 +15,7 @@ ZeRO reduces at the last micro batch whatever its internal micro-step counter sa
 step (config `gradient_clipping`), so `finish_grads` returns None and the norm is read afterwards.
 
 Checkpoints. The view (get_state / set_state / templates) hands over exactly what
-pretrain.checkpoint.LocalState gives for the same model in one process: full fp32 tensors keyed by
+parallel.state.LocalState gives for the same model in one process: full fp32 tensors keyed by
 the model's FQNs, optimizer state {"step", "exp_avg", "exp_avg_sq"} per parameter, and our two
 param groups. It goes through DeepSpeed's full-tensor accessors (deepspeed.utils.safe_get_full_* /
 safe_set_full_*), which are collectives: every rank walks the parameters in the same order.
@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel.data_parallel import accumulation_steps
 from parallel.dist import detect_env
-from parallel.engine import Engine
+from parallel.engine import Engine, EngineSettings
+from parallel.grads import set_lr
 from parallel.mesh import _ensure_process_group, layout
-from pretrain.optim import build_optimizer, set_lr
 
 INSTALL_HINT = ("parallel.data_parallel=deepspeed needs DeepSpeed: install it after torch with "
                 "`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`")
@@ -53,16 +54,16 @@ def _import_deepspeed():
 ZERO_OVERRIDES: dict = {}
 
 
-def ds_config(cfg, dp: int) -> dict:
-    """The DeepSpeed config of a RunConfig: its batch sizes, clipping and ZeRO stage, fp32."""
-    t = cfg.train
-    gas = t.global_batch_seqs // (t.micro_batch_seqs * dp)
+def ds_config(settings: EngineSettings, dp: int) -> dict:
+    """The DeepSpeed config of an engine's settings: batch sizes, clipping and ZeRO stage, fp32."""
+    micro = settings.micro_batch_seqs
+    gas = accumulation_steps(settings.global_batch_seqs, micro, dp)
     return {
-        "train_micro_batch_size_per_gpu": t.micro_batch_seqs,
+        "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        "train_batch_size": t.micro_batch_seqs * gas * dp,
-        "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": {"stage": cfg.parallel.zero_stage, **ZERO_OVERRIDES},
+        "train_batch_size": micro * gas * dp,
+        "gradient_clipping": settings.grad_clip,
+        "zero_optimization": {"stage": settings.parallel.zero_stage, **ZERO_OVERRIDES},
         "zero_allow_untested_optimizer": True,  # our torch AdamW, not one of DeepSpeed's own
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
@@ -84,26 +85,25 @@ def _forwardless_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 class DeepSpeedEngine(Engine):
-    """ZeRO stage cfg.parallel.zero_stage over the data-parallel ranks (the whole world, tp = 1)."""
+    """ZeRO stage settings.parallel.zero_stage over the data-parallel ranks (the whole world, tp = 1)."""
 
     name = "deepspeed"
     has_optimizer = True
 
-    def __init__(self, model: nn.Module, cfg):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings: EngineSettings):
         deepspeed = _import_deepspeed()
         lay = layout()
         if lay.tp != 1:
             raise ValueError("parallel.data_parallel=deepspeed runs with parallel.tp=1 only")
         # DeepSpeed's collectives need a process group even for one process, where the trainer makes
         # none: a private one-rank gloo group. With several ranks the trainer's group is reused as is.
-        _ensure_process_group(cfg.parallel.timeout_s)
+        _ensure_process_group(settings.parallel.timeout_s)
         # DeepSpeed insists on LOCAL_RANK, which only torchrun sets: give it the launcher's (srun's,
         # mpirun's, or 0 for a plain process) as parallel.dist found it
         os.environ.setdefault("LOCAL_RANK", str(detect_env().local_rank))
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing group
-        self.stage = cfg.parallel.zero_stage
-        self.model = model
-        self.optimizer = build_optimizer(model, cfg.optim)
+        self.stage = settings.parallel.zero_stage
+        self.model, self.optimizer, self.settings = model, optimizer, settings
         # What the checkpoint view needs, captured before DeepSpeed replaces the groups' params
         # with its flat partitions: each group's parameters (named as named_parameters names a tied
         # one, i.e. as torch's state-dict helpers do) and its hyperparameter keys.
@@ -114,7 +114,7 @@ class DeepSpeedEngine(Engine):
             for p in _forwardless_params(model):
                 deepspeed.zero.register_external_parameter(model, p)
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer,
-                                                config=ds_config(cfg, max(lay.dp, 1)))
+                                                config=ds_config(settings, max(lay.dp, 1)))
         self.zero = self.ds.optimizer  # the ZeRO wrapper; it steps self.optimizer on its flat partitions
         self.shared_masters = self._share_fp32_masters()
 
@@ -148,6 +148,9 @@ class DeepSpeedEngine(Engine):
         bucketed reduce-scatter into the partitioned gradients (ZeRO-2/3) only then."""
         self.ds.set_gradient_accumulation_boundary(last)
         return nullcontext()
+
+    def describe(self) -> str:
+        return f"DeepSpeed ZeRO-{self.stage}"
 
     def forward(self, batch, ctx):
         return self.ds(batch, ctx)

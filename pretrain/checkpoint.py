@@ -37,17 +37,15 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import xxhash
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, get_state_dict, set_model_state_dict,
-    set_optimizer_state_dict)
 
 from data_tools.errors import first_line
 from data_tools.files import atomic_write, fsync_path
 from data_tools.files import write_file as _write_file  # a module name, so that a test can make it fail
+from parallel.state import LocalState, as_state  # noqa: F401  (the checkpoint view, shared with the engines)
 
 SCHEMA_VERSION = 1
 META_FILE, OPTIM_FILE, LATEST_FILE, DCP_METADATA = "meta.json", "optim.json", "latest", ".metadata"
@@ -275,51 +273,6 @@ def _set_rng_state(rng: dict[str, torch.Tensor], target) -> None:
             torch.cuda.set_rng_state(value, int(key.removeprefix("torch_cuda_")))
         elif key in generators:
             generators[key].set_state(value)
-
-
-class LocalState:
-    """The checkpoint view of a model and optimizer living whole in this process (or replicated by
-    DDP): FQN-keyed state through torch's get_/set_*_state_dict. Engines that shard or wrap the
-    model provide their own object with the same five members (see parallel/engine.py); every one
-    hands over full, unsharded tensors keyed by the single-device model's names, which is what makes
-    a checkpoint loadable under any layout."""
-
-    def __init__(self, model, optimizer=None):
-        self.model, self.optimizer = model, optimizer
-        self.has_optimizer = optimizer is not None
-
-    def get_state(self) -> tuple[dict, dict | None]:
-        """(model state, optimizer state dict {"state", "param_groups"} or None), FQN-keyed."""
-        if self.optimizer is None:
-            return get_model_state_dict(self.model), None
-        had_state = bool(self.optimizer.state)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        if not had_state:  # get_state_dict initialised it with a zero-lr step: undo, save it empty
-            self.optimizer.state.clear()
-            optim_sd = {"state": {}, "param_groups": optim_sd["param_groups"]}
-        return model_sd, optim_sd
-
-    def model_template(self) -> dict:
-        return get_model_state_dict(self.model)
-
-    def optim_template(self) -> dict:
-        # DSD creates a fresh optimizer's lazy state for DCP to load into, but only without grads
-        self.optimizer.zero_grad(set_to_none=True)
-        return get_optimizer_state_dict(self.model, self.optimizer)["state"]
-
-    def set_state(self, model_sd: dict, optim_state: dict, groups: list | None) -> None:
-        set_model_state_dict(self.model, model_sd)
-        if groups is not None:
-            if not optim_state:
-                self.optimizer.state.clear()
-            set_optimizer_state_dict(self.model, self.optimizer, {"state": optim_state, "param_groups": groups})
-
-
-def as_state(model, optimizer=None):
-    """`model` itself when it is already a checkpoint view (an engine's), else LocalState."""
-    if hasattr(model, "get_state") and hasattr(model, "model_template"):
-        return model
-    return LocalState(model, optimizer)
 
 
 def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_last: int = 2,

@@ -138,9 +138,13 @@ class TrainConfig:
         for name in ("max_steps", "global_batch_seqs", "micro_batch_seqs", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be positive, got {getattr(self, name)}")
-        if self.global_batch_seqs % self.micro_batch_seqs:
-            raise ConfigError(f"train.global_batch_seqs {self.global_batch_seqs} is not divisible by "
-                              f"train.micro_batch_seqs {self.micro_batch_seqs}")
+        from parallel.data_parallel import accumulation_steps
+
+        try:
+            accumulation_steps(self.global_batch_seqs, self.micro_batch_seqs,
+                               names=("train.global_batch_seqs", "train.micro_batch_seqs"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.eval_every < 0:
             raise ConfigError(f"train.eval_every must be >= 0, got {self.eval_every}")
         choices = {"precision": ("auto", "fp32", "bf16"), "device": ("auto", "cpu", "cuda"),

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.grads import clip_grad_norm, set_lr  # noqa: F401  (applied by the engines)
+
 SCHEDULE_KINDS = ("wsd", "cosine", "constant")
 
 
@@ -109,15 +111,6 @@ def lr_at(step: int, total_steps: int, optim: OptimConfig, schedule: ScheduleCon
     raise ValueError(f"schedule.kind must be one of {valid}, got {schedule.kind!r}")
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set the learning rate of every parameter group (in place if it is a tensor, to keep its identity)."""
-    for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
-
-
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: [decayed matrices and embeddings (ndim >= 2), undecayed vectors].
 
@@ -183,24 +176,3 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.A
         weight_decay=optim.weight_decay,
         **kernel_flags(optim, (p for g in groups for p in g["params"])),
     )
-
-
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Total L2 norm of the gradients (fp32 tensor, before clipping); clip to `max_norm` if > 0.
-
-    Both paths stay on the device (no `.item()`), so logging the norm later costs the only sync.
-    Parameters without a gradient are ignored.
-    """
-    if not (0 <= max_norm < math.inf):
-        raise ValueError(f"max_norm must be non-negative and finite (0 disables clipping), got {max_norm}")
-    params = [p for p in params if p.grad is not None]
-    if not params:
-        return torch.zeros((), dtype=torch.float32)
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).float()
-    grads = [p.grad for p in params]
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
-    if get_total_norm is not None:
-        return get_total_norm(grads, foreach=True).float()
-    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(grads[0].device) for g in grads])
-    return torch.linalg.vector_norm(norms)

@@ -20,11 +20,11 @@ from contextlib import nullcontext
 
 import torch
 
-from parallel.data_parallel import all_reduce_sum, world
+from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_and_size
 from parallel.dist import detect_env, init_distributed, rank_logger
-from parallel.engine import build_engine
-from parallel.mesh import setup_layout
-from parallel.recompute import apply_recompute
+from parallel.apply import parallelize
+from parallel.engine import EngineSettings
+from parallel.mesh import layout
 from pretrain.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
@@ -33,7 +33,7 @@ from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch
 from pretrain.models.base import EVAL, StepContext
-from pretrain.optim import lr_at
+from pretrain.optim import build_optimizer, lr_at
 from pretrain.preemption import StopOnSignal, StopRequested
 from pretrain.runs import make_absolute
 
@@ -73,7 +73,7 @@ def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, d
     """Token-weighted mean loss (and diagnostics, as val_<name>) over samples [0, num_samples) of a
     validation dataset; with several data-parallel ranks each takes every n-th micro batch and the
     sums are reduced."""
-    rank, size = world()
+    rank, size = dp_rank_and_size()
     was_training = model.training
     model.eval()
     sums, names = torch.zeros(2, dtype=torch.float64, device=device), []
@@ -108,23 +108,24 @@ class Trainer:
             torch.set_num_threads(t.threads)
         env = init_distributed(detect_env(), timeout_s=cfg.parallel.timeout_s)
         self.rank, self.world_size = env.rank, env.world_size
-        self.layout = setup_layout(cfg.parallel)
-        self.dp_rank, self.dp_size = world()
         self.log = rank_logger(t.run_dir if env.world_size > 1 else None, env, echo=log)
-        if t.global_batch_seqs % (t.micro_batch_seqs * self.dp_size):
-            raise ValueError(f"train.global_batch_seqs {t.global_batch_seqs} is not divisible by "
-                             f"train.micro_batch_seqs x data-parallel ranks = {t.micro_batch_seqs} x {self.dp_size}")
+        self.n_micro = accumulation_steps(t.global_batch_seqs, t.micro_batch_seqs, env.world_size // cfg.parallel.tp,
+                                          names=("train.global_batch_seqs", "train.micro_batch_seqs"))
         self.device = resolve_device(t)
         self.amp_dtype = autocast_dtype(t, self.device)
         self.spec = get_arch(cfg.model.arch)
         self.run_dir = t.run_dir
         check_vocab(cfg.data.train + cfg.data.valid, cfg.model.vocab_size)
 
-        torch.manual_seed(t.seed)
-        self.model = self.spec.build(cfg.model).to(self.device)  # built under the layout: TP facades split it
-        if cfg.parallel.recompute == "full":
-            apply_recompute(self.spec.recompute_units(self.model))
-        self.engine = build_engine(self.model, cfg)
+        def build():
+            torch.manual_seed(t.seed)
+            return self.spec.build(cfg.model).to(self.device)
+
+        # layout, recompute, compile, engine: in that order, in one place (parallel/apply.py)
+        self.engine = parallelize(build, EngineSettings.from_run(cfg), lambda m: build_optimizer(m, cfg.optim),
+                                  self.spec.recompute_units, compile=t.compile)
+        self.model, self.layout = self.engine.model, layout()
+        self.dp_rank, self.dp_size = dp_rank_and_size()
         self.step, self.consumed = 0, 0
         self.collate = collator_for(cfg.data)
         self.train_data = train_dataset(cfg.data)
@@ -202,26 +203,17 @@ class Trainer:
         tokens = torch.stack([b.loss_mask.sum() for b in micro]).float()
         total = all_reduce_sum(tokens.sum(), "target token count").clamp(min=1.0)
         weights = tokens * (self.dp_size / total)
-        step_loss = torch.zeros((), device=self.device)
-        diagnostics = window["diagnostics"]
         window["data"] += time.perf_counter() - t0
-        engine = self.engine
-        for i, batch in enumerate(micro):
-            t1 = time.perf_counter()
-            with engine.accumulating(last=i == n_micro - 1):
-                with self._autocast():
-                    loss, diag = engine.forward(batch, ctx)
-                t2 = time.perf_counter()
-                engine.backward(loss * weights[i])
-            step_loss += loss.detach() * (weights[i] / self.dp_size)
-            for name, value in diag.items():
-                share = value.detach().float() * (weights[i] / self.dp_size)
-                diagnostics[name] = diagnostics[name] + share if name in diagnostics else share
-            window["forward"] += t2 - t1
-            window["backward"] += time.perf_counter() - t2
+        loss_sum, diagnostics, t_fwd, t_bwd = self.engine.forward_backward(micro, weights, ctx, self._autocast)
+        step_loss = loss_sum / self.dp_size
+        for name, value in diagnostics.items():
+            share = value / self.dp_size
+            window["diagnostics"][name] = window["diagnostics"].get(name, 0.0) + share
+        window["forward"] += t_fwd
+        window["backward"] += t_bwd
         window["flops"] += self.spec.flops_per_token(self.cfg.model, self.cfg.data.seq_len, ctx) * \
             self.cfg.tokens_per_step
-        return step_loss, engine.finish_grads(self.cfg.optim.grad_clip)
+        return step_loss, self.engine.finish_grads(self.cfg.optim.grad_clip)
 
     def fit(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
@@ -236,7 +228,7 @@ class Trainer:
         metrics = MetricsLog(self.run_dir, resume_step=self.step) if lead else None
         wandb = WandbLogger(self.run_dir, cfg.log.wandb_project, t.name, cfg.to_dict()) if cfg.log.wandb and lead else None
         batches = self._loader()
-        n_micro = t.global_batch_seqs // (t.micro_batch_seqs * self.dp_size)
+        n_micro = self.n_micro
         last_saved = self.step
         window = self._new_window()
         record: dict = {}
@@ -343,10 +335,6 @@ class Trainer:
             f"peak {self.peak_tflops:.3f} TFLOP/s ({self.peak_source}) | {allocator_note()} | run dir {self.run_dir}"
         )
         p, lay = cfg.parallel, self.layout
-        engine = {"ddp": "torch DDP" if self.dp_size > 1 else "single process", "megatron": "megatron-core DDP",
-                  "deepspeed": f"DeepSpeed ZeRO-{p.zero_stage}"}[p.data_parallel]
-        if p.distributed_optimizer:
-            engine += " + distributed optimizer"
-        self.log(f"layout: {lay.world} rank(s) = tp {lay.tp}{' (+sp)' if lay.sp else ''} x dp {lay.dp} | {engine}"
-                 f"{' | megatron-core layers' if lay.megatron_layers else ''}"
+        self.log(f"layout: {lay.world} rank(s) = tp {lay.tp}{' (+sp)' if lay.sp else ''} x dp {lay.dp} | "
+                 f"{self.engine.describe()}{' | megatron-core layers' if lay.megatron_layers else ''}"
                  f"{' | activation recompute: ' + p.recompute if p.recompute != 'none' else ''}")

@@ -81,7 +81,7 @@ class LoopedModel(nn.Module):
         self.gain = nn.Parameter(torch.ones(d))  # a vector: the no-decay param group
         self.head = LMHead(d, VOCAB, tied=self.embed)  # used through .loss(), not forward
 
-    def forward(self, batch):
+    def forward(self, batch, ctx=None):
         h = self.embed(batch.tokens)
         for _ in range(3):
             h = self.block(h)
@@ -104,15 +104,20 @@ def run_looped(engine_cls, stage, rank, world, plan=(True, False, True), micro=2
     does for a non-finite loss; returns the checkpoint view before the first step and after the last."""
     from parallel.recompute import apply_recompute
     from pretrain.data.batch import Batch
+    from pretrain.models.base import StepContext
     from pretrain.optim import OptimConfig
+
+    EVAL_CTX = StepContext()  # (LoopedModel ignores it)
 
     torch.manual_seed(0)
     model = LoopedModel()
     apply_recompute([model.block])
-    cfg = SimpleNamespace(optim=OptimConfig(lr=1e-2, min_lr=1e-3, grad_clip=1.0),
-                          parallel=SimpleNamespace(zero_stage=stage, timeout_s=60.0),
-                          train=SimpleNamespace(micro_batch_seqs=micro, global_batch_seqs=8))
-    engine = engine_cls(model, cfg) if stage else engine_cls(model, cfg.optim)
+    from parallel.engine import EngineSettings
+    from pretrain.optim import build_optimizer
+
+    settings = EngineSettings(SimpleNamespace(zero_stage=stage, timeout_s=60.0), grad_clip=1.0,
+                              micro_batch_seqs=micro, global_batch_seqs=8)
+    engine = engine_cls(model, build_optimizer(model, OptimConfig(lr=1e-2, min_lr=1e-3, grad_clip=1.0)), settings)
     full = looped_batches()
     total = full.loss_mask.sum().float()
     share = 8 // world
@@ -123,7 +128,7 @@ def run_looped(engine_cls, stage, rank, world, plan=(True, False, True), micro=2
         engine.set_lr(1e-2)
         for i, b in enumerate(mine):
             with engine.accumulating(last=i == len(mine) - 1):
-                loss, _ = engine.forward(b)
+                loss, _ = engine.forward(b, EVAL_CTX)
                 engine.backward(loss * (b.loss_mask.sum() * world / total))
         norm = engine.finish_grads(1.0)
         if apply:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import operator
 
+from parallel.data_parallel import accumulation_steps
+
 
 class GlobalBatchSampler:
     """Yields this rank's micro batches (lists of global sample indices), global batch by global batch.
@@ -38,10 +40,7 @@ class GlobalBatchSampler:
             )
         if not 0 <= r < D:
             raise ValueError(f"dp_rank {r} is out of range for dp_size {D} (need 0 <= dp_rank < dp_size)")
-        if G % (m * D):
-            raise ValueError(
-                f"global_batch_size {G} is not divisible by micro_batch_size * dp_size = {m} * {D} = {m * D}"
-            )
+        steps = accumulation_steps(G, m, D)
         if c < 0:
             raise ValueError(f"consumed_samples must be non-negative, got {c}")
         if total_samples is not None and _int("total_samples", total_samples) < c:
@@ -51,7 +50,7 @@ class GlobalBatchSampler:
         self.consumed_samples = c
         self.total_samples = total_samples
         self.local_batch_size = G // D
-        self.num_micro_batches = G // (m * D)  # gradient-accumulation steps per optimizer step
+        self.num_micro_batches = steps  # gradient-accumulation steps per optimizer step
 
     def micro_batches(self, g: int) -> list[list[int]]:
         """This rank's micro batches of global batch g (counted from consumed_samples)."""

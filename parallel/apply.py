@@ -1,0 +1,41 @@
+"""Parallelism as one transform: how a single-device model becomes a model trained over many ranks.
+
+    engine = parallelize(build, settings, make_optimizer, recompute_units=..., compile=...)
+
+applies, in this order (torchtitan's; each step needs the one before it):
+1. the layout: megatron-core's parallel state for TP x DP (parallel/mesh.py); `build()` then runs
+   under it, so the parallel.layers facades build TP/SP-split layers where the model asks for
+   linears, embeddings and norms;
+2. activation recompute of the architecture's recompute units (parallel/recompute.py), when
+   `parallel.recompute` asks for it;
+3. compile: `torch.compile` of the model's forward, in place (parameter names and the module stay
+   the same for checkpoints and the engines);
+4. the data-parallel engine `parallel.data_parallel` names, around the model and the optimizer
+   `make_optimizer(model)` builds (the trainer's; the engine may shard it or, for megatron, build
+   its own from its hyperparameters).
+The trainer calls it once; nothing else in the code applies parallelism to a model.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from parallel.engine import Engine, EngineSettings, engine_class
+from parallel.mesh import setup_layout
+from parallel.recompute import apply_recompute
+
+
+def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
+                make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+                recompute_units: Callable[[torch.nn.Module], list] | None = None,
+                compile: bool = False) -> Engine:
+    """The engine around the model `build()` makes, with the steps of the module docstring applied."""
+    parallel = settings.parallel
+    setup_layout(parallel)  # 1
+    model = build()
+    if parallel.recompute == "full":  # 2 (config validation refuses it without recompute units)
+        apply_recompute(recompute_units(model))
+    if compile:  # 3
+        model.compile()
+    return engine_class(parallel.data_parallel)(model, make_optimizer(model), settings)  # 4
