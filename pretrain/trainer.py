@@ -22,6 +22,7 @@ import torch
 
 from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_and_size
 from parallel.dist import detect_env, init_distributed, rank_logger
+from kernels import paths_used, reset_paths_used
 from parallel.apply import parallelize
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
@@ -234,6 +235,8 @@ class Trainer:
         record: dict = {}
         self.model.train()
         stop = StopOnSignal(t.stop_signals)
+        reported_kernels = False
+        reset_paths_used()
         try:
             stop.install()
             while self.step < t.max_steps:
@@ -274,6 +277,10 @@ class Trainer:
                         metrics.write(record)
                         if wandb is not None:
                             wandb.log(record)
+                    if not reported_kernels:  # after the first logged step, once: which kernel paths ran
+                        reported_kernels = True
+                        self.log("kernels: " + (", ".join(f"{op} {'+'.join(p)}" for op, p in paths_used().items())
+                                                or "none dispatched"))
                     self.log(progress_line(record, t.max_steps, self.spec.progress) + (
                         f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else ""))
                     window = self._new_window()
