@@ -2,10 +2,8 @@
 bad input does (exact resume after SIGKILL is a registry-wide test: tests/test_registry.py)."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
