@@ -1,5 +1,5 @@
 """What checkpoint checksums cost: save and load time of a baseline/xs checkpoint (53M parameters
-with AdamW state, ~640 MB) with and without them, side by side.
+with AdamW state, ~740 MB) with and without them, side by side.
 
     PYTHONPATH=. python benchmarks/bench_checkpoint.py [--rounds 3] [--dir /tmp]
 

@@ -90,7 +90,6 @@ class FullState:
 
     def __init__(self, inner, model: torch.nn.Module):
         self.inner, self.has_optimizer = inner, inner.has_optimizer
-        self.model = model
         self.sharded = {}  # parameters and buffers that hold a TP shard, by every name they are saved under
         for module_name, module in model.named_modules():  # a tied weight is also saved under its other names
             prefix = f"{module_name}." if module_name else ""
@@ -131,13 +130,6 @@ class FullState:
 
 # -- the shared reductions -------------------------------------------------------------------------
 
-def sequence_parallel_grads_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Under SP, the parameters whose gradients are partial (each rank saw a slice of the sequence)
-    and must be summed over the TP group: those their layer marked (parallel.layers.RMSNorm)."""
-    lay = layout()
-    return sequence_parallel_params(model) if lay.sp and lay.tp > 1 else []
-
-
 # -- torch DDP -------------------------------------------------------------------------------------
 
 class Engine:
@@ -156,7 +148,7 @@ class Engine:
                                                                      process_group=lay.dp_group,
                                                                      gradient_as_bucket_view=True)
         self.forward = self.wrapped
-        self.sp_params = sequence_parallel_grads_params(model)
+        self.sp_params = sequence_parallel_params(model)  # marked by their layer only under SP
         self.state = FullState(LocalState(model, self.optimizer), model)
 
     def describe(self) -> str:

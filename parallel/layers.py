@@ -99,7 +99,8 @@ class RMSNorm(nn.Module):
 
 
 def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters whose gradients are partial under sequence parallelism (marked by their layer)."""
+    """The parameters whose gradients are partial under sequence parallelism, to be summed over the TP
+    group: those their layer marked (which a layer does only when built under SP with tp > 1)."""
     return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 

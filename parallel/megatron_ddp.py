@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from parallel import cpu_shim
 from parallel.dist import collective
-from parallel.engine import Engine, EngineSettings, FullState, sequence_parallel_grads_params
+from parallel.engine import Engine, EngineSettings, FullState
 from parallel.grads import all_reduce_tp_grads, set_lr
+from parallel.layers import sequence_parallel_params
 from parallel.mesh import layout
 
 _ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -46,7 +47,7 @@ class MegatronEngine(Engine):
         self.model, self.settings = model, settings
         self.distributed = settings.parallel.distributed_optimizer
         self.groups = named_param_groups(model, optimizer)  # what checkpoints store as param_groups
-        self.sp_params = sequence_parallel_grads_params(model)
+        self.sp_params = sequence_parallel_params(model)
         # megatron's DDP reads one flag of a TransformerConfig (calculate_per_token_loss); the sizes
         # are placeholders it requires, not our model's.
         tcfg = TransformerConfig(num_layers=1, hidden_size=lay.tp, num_attention_heads=lay.tp,

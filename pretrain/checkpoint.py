@@ -2,7 +2,8 @@
 
 `run_dir/checkpoints/step_00000100/` holds DCP files (`.metadata`, `__*.distcp`) for the tensors
 {"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", ...}}}, "rng": {"torch_cpu",
-"torch_cuda_<i>", "generator.<module>.<attr>" (a torch.Generator the model owns)}}, `optim.json` (the optimizer's param_groups, parameters named by FQN) and
+"torch_cuda_<i>", "generator.<module>.<attr>" (a torch.Generator the model owns)}}, `optim.json`
+(the optimizer's param_groups, parameters named by FQN) and
 `meta.json` (the caller's meta plus schema_version and step). State goes through torch's
 get_/set_*_state_dict, so every key is a parameter name and a later load may reshard into another
 layout. Only tensors go through DCP (it would unpickle anything else with weights_only=False), so
@@ -472,21 +473,19 @@ def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, e
     if path is None:
         return None, None
     root, first_error = os.path.dirname(path), None
-    tried = {os.path.basename(path)}
     while True:
         try:
             return path, load_checkpoint(path, model, optimizer, restore_rng, expect_arch, verify, log)
         except CorruptCheckpoint as e:  # raised before anything was modified
             first_error = first_error or e
-            older = [n for s, n in reversed(_step_dirs(root)) if n not in tried
-                     and s < _step_of(path) and _problem(os.path.join(root, n)) is None]
+            older = [n for s, n in reversed(_step_dirs(root))
+                     if s < _step_of(path) and _problem(os.path.join(root, n)) is None]
             why = str(e).removeprefix(f"checkpoint {path} ")
             if not older:
                 raise CorruptCheckpoint(f"{first_error}; no older complete checkpoint to fall back to (set "
                                         "checkpoint.verify=false to load it anyway)") from None
             log(f"checkpoint {os.path.basename(path)} {why}; falling back to {older[0]}")
             path = os.path.join(root, older[0])
-            tried.add(older[0])
 
 
 def _step_of(path: str) -> int:

@@ -83,7 +83,7 @@ class DataConfig:
     def resolved_split(self) -> str:
         return self.split or ("1,0,0" if self.valid else "949,50,1")
 
-    def validate(self, check_files: bool = True) -> None:
+    def validate(self) -> None:
         if not self.train:
             raise ConfigError("data.train is empty; give one or more .bin/.idx prefixes "
                               "(make them with `pretrain-data preprocess`)")
@@ -94,8 +94,7 @@ class DataConfig:
             raise ConfigError(f"data.seq_len must be positive, got {self.seq_len}")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
-        if check_files:
-            self.check_files()
+        self.check_files()
 
     def check_files(self, fields: tuple = ("train", "valid", "tokenizer")) -> None:
         """The datasets and tokenizer named by `fields` exist ("eval": those evaluation reads); else

@@ -1,6 +1,6 @@
 """A run directory that can move: where its stored paths are found, and what may change after training.
 
-The rule (README, "Moving a run"):
+The rule (README, "Runs can move"):
 1. When training starts, every path of the config (data.train, data.valid, data.tokenizer,
    data.cache_dir, train.run_dir) is made absolute, so the stored config.yaml and each checkpoint's
    config work from any working directory.

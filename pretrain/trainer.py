@@ -20,10 +20,10 @@ from contextlib import nullcontext
 
 import torch
 
-from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_and_size
-from parallel.dist import detect_env, init_distributed, rank_logger
 from kernels import paths_used, reset_paths_used
 from parallel.apply import parallelize
+from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_and_size
+from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
 from pretrain.checkpoint import latest_checkpoint, load_latest, save_checkpoint

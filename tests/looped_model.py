@@ -24,7 +24,7 @@ class LoopedConfig(baseline.BaselineConfig):
 
 class Looped(decoder.Decoder):
     def __init__(self, cfg: LoopedConfig):
-        super().__init__(cfg, depth=cfg.loops)
+        super().__init__(cfg)
         self.block = baseline.Block(cfg, depth=cfg.loops)
 
     def applications(self) -> list[nn.Module]:

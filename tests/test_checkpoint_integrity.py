@@ -10,7 +10,7 @@ import torch
 from distributed import run_ranks
 from pretrain.checkpoint import (CHECKSUM, META_FILE, CheckpointError, CorruptCheckpoint, file_checksum,
                                  latest_checkpoint, load_checkpoint, load_latest, save_checkpoint)
-from test_checkpoint import META, assert_same_model, tiny, trained
+from test_checkpoint import META, assert_same_model, tiny, train_step, trained
 
 
 def flip_byte_in_tensor_data(ckpt: str) -> str:
@@ -25,12 +25,10 @@ def flip_byte_in_tensor_data(ckpt: str) -> str:
 
 
 def saved_pair(tmp_path):
-    """Checkpoints at steps 1 and 2 of one run; returns (run_dir, models at step 1 and 2)."""
+    """Checkpoints at steps 1 and 2 of one run; returns (run_dir, the model's state at step 1)."""
     model, opt = trained(steps=1)
     save_checkpoint(str(tmp_path), 1, model, opt, META)
     first = {k: v.clone() for k, v in model.state_dict().items()}
-    from test_checkpoint import train_step
-
     train_step(model, opt, 7)
     save_checkpoint(str(tmp_path), 2, model, opt, META)
     return str(tmp_path), first

@@ -6,8 +6,8 @@ from torch import nn
 
 import parallel.mesh as mesh
 from distributed import run_ranks
-from parallel.engine import FullState, sequence_parallel_grads_params
-from parallel.layers import RMSNorm
+from parallel.engine import FullState
+from parallel.layers import RMSNorm, sequence_parallel_params
 from pretrain.checkpoint import LocalState, load_checkpoint, save_checkpoint
 
 
@@ -27,9 +27,9 @@ def sp_layout(monkeypatch):
 
 def test_only_marked_parameters_are_reduced_under_sequence_parallelism(sp_layout):
     model = Gated()
-    assert sequence_parallel_grads_params(model) == [model.norm.weight]  # not the gate
+    assert sequence_parallel_params(model) == [model.norm.weight]  # not the gate
     mesh._LAYOUT = mesh.Layout(tp=2, sp=False)
-    assert sequence_parallel_grads_params(Gated()) == []
+    assert sequence_parallel_params(Gated()) == []
     assert not getattr(Gated().norm.weight, "sequence_parallel", False)  # built without SP: unmarked
 
 
@@ -72,7 +72,7 @@ class WithExtra(nn.Module):
         return {"note": "not a tensor"}
 
     def set_extra_state(self, state):
-        pass
+        raise AssertionError("never loaded: saving this model is refused")
 
 
 def test_non_tensor_model_state_is_refused_at_save(tmp_path):

@@ -113,7 +113,7 @@ class TransformerPP(Decoder):
     """A stack of n_layers blocks, each applied once (the skeleton in decoder.py does the rest)."""
 
     def __init__(self, cfg: BaselineConfig):
-        super().__init__(cfg, depth=cfg.n_layers)
+        super().__init__(cfg)
         self.blocks = nn.ModuleList(Block(cfg, cfg.n_layers) for _ in range(cfg.n_layers))
 
     def applications(self) -> list[nn.Module]:

@@ -4,8 +4,8 @@ A subclass builds its blocks and says, through `applications()`, which block eac
 applies, in order: a plain stack lists each block once; a looped or recurrent model lists its shared
 block several times. The skeleton then provides the training forward (the model contract of
 pretrain/models/base.py), full-sequence logits, and a streaming decode whose cache holds one slot per
-block application. `depth` (the number of block applications) is known before the blocks are built,
-so their initialisation can scale with the effective depth.
+block application. A subclass knows its effective depth (the number of block applications) before
+it builds its blocks, and passes it to their initialisation.
 
 Pieces more than one architecture uses live here too: the RoPE tables and the KV cache (RMSNorm is a
 parallel.layers facade: it marks itself for sequence parallelism).
@@ -53,10 +53,10 @@ class Decoder(nn.Module):
     tie_embeddings, document_mask and init_std (pretrain/models/baseline.py's BaselineConfig has them).
     """
 
-    def __init__(self, cfg, depth: int):
+    def __init__(self, cfg):
         super().__init__()
         cfg.validate()
-        self.cfg, self.depth = cfg, depth
+        self.cfg = cfg
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = LMHead(cfg.d_model, cfg.vocab_size, tied=self.embed if cfg.tie_embeddings else None,
