@@ -30,11 +30,12 @@ def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
                 recompute_units: Callable[[torch.nn.Module], list] | None = None,
                 compile: bool = False) -> Engine:
-    """The engine around the model `build()` makes, with the steps of the module docstring applied."""
+    """The engine around the model `build()` makes, with the steps of the module docstring applied;
+    `recompute_units` (model -> modules) is the activation-checkpointing policy chosen, or None."""
     parallel = settings.parallel
     setup_layout(parallel)  # 1
     model = build()
-    if parallel.recompute == "full":  # 2 (config validation refuses it without recompute units)
+    if recompute_units is not None:  # 2
         apply_recompute(recompute_units(model))
     if compile:  # 3
         model.compile()

@@ -98,6 +98,47 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """(x - mean) / std * weight + bias in float32 (GPT-2's norm; the CRT paper's "LN"). Marks its
+    weight and bias `sequence_parallel` under SP, like RMSNorm."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        lay = layout()
+        if lay.sp and lay.tp > 1:
+            self.weight.sequence_parallel = self.bias.sequence_parallel = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def shift_right(x: Tensor, reset: Tensor | None = None) -> Tensor:
+    """y[:, t] = x[:, t - 1] along the sequence, zero at t = 0 and where `reset` [B, T] (the whole
+    sequence) is True: a recurrence's "previous position" (CRT's z_{t-1}).
+
+    Under sequence parallelism x is this rank's slice [B, T / tp, d] and the first position of each
+    slice needs the last of the previous rank's: the slices are all-gathered, shifted, and this rank's
+    part taken back (the gather's backward reduce-scatters, summing each rank's share of the grads).
+    """
+    lay = layout()
+    split = lay.megatron_layers and lay.sp and lay.tp > 1
+    if split:
+        from megatron.core.tensor_parallel import mappings
+
+        local = x.shape[1]
+        x = mappings.gather_from_sequence_parallel_region(x.transpose(0, 1), group=lay.tp_group).transpose(0, 1)
+    y = F.pad(x, (0, 0, 1, 0))[:, :-1]
+    if reset is not None:
+        y = y.masked_fill(reset[..., None], 0.0)
+    if split:
+        y = y[:, lay.tp_rank * local:(lay.tp_rank + 1) * local]
+    return y
+
+
 def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters whose gradients are partial under sequence parallelism, to be summed over the TP
     group: those their layer marked (which a layer does only when built under SP with tp > 1)."""

@@ -31,7 +31,9 @@ class ParallelConfig:
     zero_stage: int = 0  # DeepSpeed ZeRO stage 1, 2 or 3 (with data_parallel=deepspeed; 0 otherwise)
     distributed_optimizer: bool = False  # megatron-core's sharded optimizer (with data_parallel=megatron)
     megatron_layers: bool = False  # use megatron-core's layers even at tp=1 (testing, overhead benchmark)
-    recompute: str = "none"  # activation checkpointing: none | full (the architecture's recompute units)
+    # activation checkpointing: none | full (the architecture's recommended policy) | a policy it names
+    # (`pretrain info` lists them; CRT: block, pass)
+    recompute: str = "none"
     timeout_s: float = 600.0  # collective timeout: a stuck rank is reported after this long
 
     def validate(self) -> None:
@@ -60,8 +62,9 @@ class ParallelConfig:
         if self.distributed_optimizer and self.data_parallel != "megatron":
             raise ConfigError("parallel.distributed_optimizer=true is megatron-core's: it needs "
                               "parallel.data_parallel=megatron")
-        if self.recompute not in ("none", "full"):
-            raise ConfigError(f"parallel.recompute must be none or full, got {self.recompute!r}")
+        if not self.recompute.isidentifier():
+            raise ConfigError(f"parallel.recompute must be none, full or a policy the architecture names, got "
+                              f"{self.recompute!r}")
         if self.timeout_s <= 0:
             raise ConfigError(f"parallel.timeout_s must be positive, got {self.timeout_s}")
 
@@ -204,14 +207,16 @@ class RunConfig:
 
         self.model.validate()
         spec = get_arch(self.model.arch)
-        self.parallel.validate()
-        # The architecture's support matrix (its registry entry), before any process group exists.
+        # The architecture's support matrix (its registry entry), before any process group exists and
+        # before the generic layout checks, so an architecture's own reason is the one given.
         refuse = spec.supports.refusal(self.parallel)
         if refuse:
             raise ConfigError(f"model.arch {spec.name!r}: {refuse}")
-        if self.parallel.recompute != "none" and spec.recompute_units is None:
-            raise ConfigError(f"parallel.recompute={self.parallel.recompute}: model.arch {spec.name!r} names no "
-                              "recompute units in its registry entry")
+        self.parallel.validate()
+        policies = spec.recompute_policies()
+        if self.parallel.recompute != "none" and self.parallel.recompute not in policies:
+            offered = f"offers {', '.join(policies)}" if policies else "names no recompute units in its registry entry"
+            raise ConfigError(f"parallel.recompute={self.parallel.recompute}: model.arch {spec.name!r} {offered}")
         for name, size in spec.tp_dims(self.model).items() if spec.tp_dims else ():
             if size % self.parallel.tp:
                 raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide {name} = {size}")
@@ -227,6 +232,7 @@ class RunConfig:
         self.log.validate()
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len {self.data.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
+        self.model.validate_run(self)  # the architecture's checks that need the rest of the run
         return self
 
     def to_dict(self) -> dict:

@@ -124,7 +124,7 @@ class Trainer:
 
         # layout, recompute, compile, engine: in that order, in one place (parallel/apply.py)
         self.engine = parallelize(build, EngineSettings.from_run(cfg), lambda m: build_optimizer(m, cfg.optim),
-                                  self.spec.recompute_units, compile=t.compile)
+                                  self.spec.recompute_policies().get(cfg.parallel.recompute), compile=t.compile)
         self.model, self.layout = self.engine.model, layout()
         self.dp_rank, self.dp_size = dp_rank_and_size()
         self.step, self.consumed = 0, 0

@@ -12,7 +12,7 @@ def test_shipped_configs_load_by_short_name():
     assert {"baseline/tiny", "baseline/xs", "baseline/s", "baseline/m", "baseline/l", "baseline/xl"} <= set(names)
     for name in names:
         cfg = load_config(name, ["data.train=[x]"], check_data=False)
-        assert cfg.model.arch == "baseline"
+        assert cfg.model.arch == name.split("/")[0]  # configs/<arch>/ holds that architecture's configs
     xs = load_config("baseline/xs", check_data=False)
     assert (xs.model.d_model, xs.model.n_layers, xs.model.n_heads) == (512, 8, 8)
     assert xs.tokens_per_step == 96 * 4096
@@ -44,7 +44,8 @@ def test_overrides_are_typed_and_round_trip():
          r"deepspeed \(ZeRO-3\) with megatron-core tensor parallelism is not supported"),
         (["parallel.distributed_optimizer=true"], "parallel.distributed_optimizer=true is megatron-core's"),
         (["parallel.data_parallel=megatron", "train.compile=true"], "train.compile=true is supported with "),
-        (["parallel.recompute=some"], "parallel.recompute must be none or full"),
+        (["parallel.recompute=some"], "parallel.recompute=some: model.arch 'baseline' offers full"),
+        (["parallel.recompute=a-b"], "parallel.recompute must be none, full or a policy the architecture names"),
         (["parallel.data_parallel=fsdp"], "parallel.data_parallel must be one of ddp, megatron, deepspeed"),
         (["model.arch=nope"], "model.arch 'nope' is not a known architecture"),
         (["data.seq_len=512"], "data.seq_len 512 exceeds model.max_seq_len 256"),

@@ -95,7 +95,8 @@ def test_shipped_configs_have_the_parameter_counts_they_declare():
 def test_streaming_decode_equals_the_parallel_forward(arch):
     spec = get_arch(arch)
     config, over = tiny_config(arch)
-    cfg = load_config(config, over + [f"model.vocab_size={VOCAB}"], check_data=False)
+    exact_under = [f"model.{k}={v}" for k, v in spec.decode.config.items()]  # where the relation holds
+    cfg = load_config(config, over + exact_under + [f"model.vocab_size={VOCAB}"], check_data=False)
     torch.manual_seed(0)
     model = spec.build(cfg.model).double().eval()
     tokens = torch.randint(5, VOCAB, (2, 13), generator=torch.Generator().manual_seed(1))

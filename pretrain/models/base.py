@@ -41,6 +41,10 @@ class ModelConfig:
         if self.paper_params < 0:
             raise ValueError(f"model.paper_params must be >= 0, got {self.paper_params}")
 
+    def validate_run(self, run) -> None:
+        """Checks that need the rest of the run's config (a RunConfig: sequence length, micro batch,
+        parallel layout), called by its validate() before any work; raise ValueError in one sentence."""
+
 
 def step_seed(run_seed: int, step: int) -> int:
     """A 63-bit seed for step `step` of a run seeded `run_seed`: a pure function of both (numpy's

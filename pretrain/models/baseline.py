@@ -20,7 +20,7 @@ from kernels.attention import attention, cached_attention
 from parallel.layers import ColumnLinear, RMSNorm, RowLinear
 from pretrain.models import decoder
 from pretrain.models.base import ModelConfig
-from pretrain.models.decoder import Decoder, KVCache, apply_rope
+from pretrain.models.decoder import Decoder, apply_rope
 from pretrain.models.registry import ArchSpec, register
 
 
@@ -61,14 +61,14 @@ class BaselineConfig(ModelConfig):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: BaselineConfig, depth: int):
+    def __init__(self, cfg: BaselineConfig, depth: int, bias: bool = False):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.qkv = ColumnLinear(cfg.d_model, 3 * cfg.d_model, init_std=cfg.init_std, stacked=3)  # q | k | v
+        self.qkv = ColumnLinear(cfg.d_model, 3 * cfg.d_model, bias, init_std=cfg.init_std, stacked=3)  # q | k | v
         # the output projection's init scales with the effective depth (block applications per token)
-        self.proj = RowLinear(cfg.d_model, cfg.d_model, init_std=cfg.init_std / math.sqrt(2 * depth))
+        self.proj = RowLinear(cfg.d_model, cfg.d_model, bias, init_std=cfg.init_std / math.sqrt(2 * depth))
 
-    def forward(self, x, cos, sin, doc_ids, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+    def forward(self, x, cos, sin, doc_ids, cache=None, layer: int = 0) -> Tensor:
         # Shapes come from the projection's output: under tensor/sequence parallelism it holds this
         # rank's heads and the whole sequence while x may hold a slice of the sequence.
         q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
@@ -77,10 +77,7 @@ class Attention(nn.Module):
         if cache is None:
             y = attention(q, k, v, doc_ids)
         else:  # streaming: attend to everything cached plus, causally, the new tokens
-            start = cache.length
-            cache.k[layer][:, :, start : start + T] = k
-            cache.v[layer][:, :, start : start + T] = v
-            keys, values = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
+            keys, values, start = cache.extend(layer, k, v)
             y = cached_attention(q, keys, values, start)
         return self.proj(y.transpose(1, 2).flatten(2))
 

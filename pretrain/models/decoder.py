@@ -45,6 +45,36 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
 
+    def extend(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Write new keys/values [B, H, n, Dh] after the `length` cached ones (in place: writing the
+        same positions again, before `length` advances, overwrites them) and return every key and
+        value so far plus the number of cached positions before the new ones."""
+        start, n = self.length, k.shape[2]
+        self.k[slot][:, :, start:start + n] = k
+        self.v[slot][:, :, start:start + n] = v
+        return self.k[slot][:, :, :start + n], self.v[slot][:, :, :start + n], start
+
+
+class GradCache:
+    """A KV cache autograd can differentiate through (training a recurrence step by step, CRT's BPTT):
+    keys and values are kept as a list of tensors and concatenated, never written in place. With a
+    sliding `window` only the last `window` positions are kept, so memory stays O(T * window)."""
+
+    def __init__(self, slots: int, window: int = 0):
+        self.k: list[list[Tensor]] = [[] for _ in range(slots)]
+        self.v: list[list[Tensor]] = [[] for _ in range(slots)]
+        self.window = window
+        self.length = 0
+
+    def extend(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        ks, vs = self.k[slot], self.v[slot]
+        ks.append(k)
+        vs.append(v)
+        if self.window and len(ks) > self.window:
+            del ks[0], vs[0]
+        keys, values = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        return keys, values, keys.shape[2] - k.shape[2]
+
 
 class Decoder(nn.Module):
     """embed -> applications() -> norm -> head, with RoPE tables; see the module docstring.
@@ -58,12 +88,16 @@ class Decoder(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std)
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = self.make_norm(cfg.d_model)
         self.head = LMHead(cfg.d_model, cfg.vocab_size, tied=self.embed if cfg.tie_embeddings else None,
                            init_std=cfg.init_std)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_norm(self, dim: int) -> nn.Module:
+        """The norm of the block family (RMSNorm here; GPT-2-style blocks use parallel.layers.LayerNorm)."""
+        return RMSNorm(dim, self.cfg.norm_eps)
 
     def applications(self) -> list[nn.Module]:
         """The blocks the trunk applies, in order (a shared block appears once per application)."""

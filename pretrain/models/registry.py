@@ -26,7 +26,8 @@ class Support:
 
     def __post_init__(self):
         # A refused feature must say why (the refusal sentence quotes it); pp is refused for every
-        # architecture by ParallelConfig until pipeline parallelism lands.
+        # architecture by ParallelConfig until pipeline parallelism lands, and an architecture that
+        # will refuse it even then says why in reasons["pp"] (quoted instead of the generic refusal).
         refused = [f for f, ok in (("tp", self.tp), ("sp", self.sp)) if not ok]
         refused += ["zero"] if set(self.zero_stages) != {0, 1, 2, 3} else []
         missing = [f for f in refused if not self.reasons.get(f)]
@@ -35,7 +36,8 @@ class Support:
 
     def refusal(self, parallel) -> str | None:
         """Why this architecture cannot run under `parallel` (a ParallelConfig), or None."""
-        asks = [("tp", parallel.tp > 1 and not self.tp, f"parallel.tp={parallel.tp}"),
+        asks = [("pp", parallel.pp > 1 and not self.pp and "pp" in self.reasons, f"parallel.pp={parallel.pp}"),
+                ("tp", parallel.tp > 1 and not self.tp, f"parallel.tp={parallel.tp}"),
                 ("sp", parallel.sp and not self.sp, "parallel.sp=true"),
                 ("zero", parallel.zero_stage not in self.zero_stages, f"parallel.zero_stage={parallel.zero_stage}")]
         for feature, refused, setting in asks:
@@ -53,6 +55,9 @@ class DecodeRelation:
     kind: str = "exact"
     atol: float = 1e-9
     why: str = ""
+    # Model-config overrides under which the relation holds (CRT's parallel forward equals streaming
+    # only with enough passes: {"eval_k": -1}); the tests build the model with them.
+    config: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,21 @@ class ArchSpec:
     activation_bytes: Callable[[Any, int, int, str], int] | None = None
     # Optional until the issue that needs them lands; validate() refuses a feature whose field is None.
     pipeline_split: Callable[[Any, int], list] | None = None
-    recompute_units: Callable[[Any], list] | None = None
+    # Activation checkpointing policies: {policy name: model -> the modules to recompute}, the first
+    # being the recommended one (`parallel.recompute=full`); a bare function is the one policy "full".
+    # A model that applies a block several times per step can offer several (CRT: each block in each
+    # pass, or a whole pass keeping only its input).
+    recompute_units: Callable[[Any], list] | dict[str, Callable[[Any], list]] | None = None
     export_adapter: Any | None = None
+
+    def recompute_policies(self) -> dict[str, Callable[[Any], list]]:
+        """Every policy by name, "full" included (the first named one, or the bare function)."""
+        units = self.recompute_units
+        if units is None:
+            return {}
+        if callable(units):
+            return {"full": units}
+        return {"full": next(iter(units.values())), **units}
 
 
 def count_parameters(model) -> dict[str, int]:

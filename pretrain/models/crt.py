@@ -1,0 +1,412 @@
+"""The Context-Ready Transformer (CRT; spec-000, arXiv:2606.27538): a pre-norm RoPE decoder of D
+layers with a correction FFN in front of it, fed the previous position's block output.
+
+Streaming (the model's definition, spec §2.2; 0-indexed, z_{-1} = 0):
+
+    c_t = corr(z_{t-1}, e_t)            e.g. corr_ffn(LN_c(z_{t-1} + e_t)) for the `add` variant
+    z_t = Blocks(e_t + c_t)             non-cumulative: always the embedding plus the new correction
+    logits_t = head(LN_f(z_t))
+
+so decoding carries the KV caches plus one vector z_prev per sequence. Training (§2.3) runs K passes
+over the whole sequence with shared weights: pass k feeds e + c^(k-1), where c^(k-1) is computed from
+pass k-1's outputs shifted right by one (c^(0) = 0); the loss is on the last pass and gradients flow
+through every pass. K ~ U{k_min..k_max} per step, drawn from the step context. The first K-1 positions
+of the last pass equal streaming exactly, and K >= T+1 reproduces it everywhere (§2.3's off-by-one:
+Lemma 1 counts corrections, not outputs). `train_mode: bptt` trains the streaming recurrence itself,
+step by step (§2.4).
+
+`correction: none` is the paper's roformer baseline (K = 1), `pre_ffn` its hFFN variant. The block is
+a config field: `paper` (§2.1: LayerNorm with bias, GELU FFN of 4C with biases, untied head) or
+`llama` (the baseline's block), so a trained baseline converts into a CRT (§2.6: fc2 zero).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from parallel.layers import ColumnLinear, LayerNorm, RMSNorm, RowLinear, shift_right
+from pretrain.models import baseline, decoder
+from pretrain.models.base import EVAL
+from pretrain.models.decoder import Decoder, GradCache, KVCache
+from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+
+BLOCKS = ("paper", "llama")
+CORRECTIONS = ("add", "blind", "concat", "block_head", "none")
+
+
+@dataclass
+class CRTConfig(baseline.BaselineConfig):
+    arch: str = "crt"
+    block: str = "paper"  # paper (spec §2.1, GPT-2 style) | llama (the baseline's block, for conversion)
+    n_layers: int = 1  # D
+    ffn_hidden: int = 0  # 0: 4 * d_model for the paper block, 3 * d_model for the llama block
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the paper's parameter counts are untied
+    correction: str = "add"  # add | blind | concat | block_head | none (the roformer baseline, K = 1)
+    pre_ffn: bool = False  # one pre-norm residual FFN on the embeddings (the roformer-hFFN baseline)
+    k_max: int = 5  # passes per training step: K ~ U{k_min..k_max}
+    k_min: int = 2  # 0: K is always k_max
+    eval_k: int = 0  # passes at evaluation and for `logits`: 0 = k_max; -1 = T + 1 (exact at every position)
+    train_mode: str = "unrolled"  # unrolled (K parallel passes) | bptt (the exact recurrence, step by step)
+    bptt_memory_gb: float = 16.0  # refuse BPTT runs whose kept activations would exceed this per rank
+    prefill_chunk: int = 8  # decode: prompt tokens run in parallel at once (exactly: one pass per token)
+    dropout: float = 0.0  # after attention, FFN and correction outputs, a fresh mask in every pass
+    corr_out_init: str = "normal"  # the correction's output layer: normal (N(0, std / sqrt(2D))) | zero
+    window: int = 0  # sliding attention window in keys including self (0: full causal)
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or (4 if self.block == "paper" else 3) * self.d_model
+
+    @property
+    def corrected(self) -> bool:
+        return self.correction != "none"
+
+    def validate(self) -> None:
+        super().validate()
+        for name, value, allowed in (("block", self.block, BLOCKS), ("correction", self.correction, CORRECTIONS),
+                                     ("train_mode", self.train_mode, ("unrolled", "bptt")),
+                                     ("corr_out_init", self.corr_out_init, ("normal", "zero"))):
+            if value not in allowed:
+                raise ValueError(f"model.{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.k_max < 1:
+            raise ValueError(f"model.k_max must be >= 1 (K counts block passes), got {self.k_max}")
+        if self.k_min and not 1 <= self.k_min <= self.k_max:
+            raise ValueError(f"model.k_min {self.k_min} must lie in 1..model.k_max ({self.k_max}), or be 0 for "
+                             "a fixed K")
+        if self.eval_k < -1:
+            raise ValueError(f"model.eval_k must be >= 1, 0 (k_max) or -1 (T + 1), got {self.eval_k}")
+        if not self.corrected and (self.k_max != 1 or self.k_min not in (0, 1) or self.eval_k > 1):
+            raise ValueError("model.correction=none is the roformer: it runs one pass, so model.k_max must be 1 "
+                             f"(got k_max={self.k_max}, k_min={self.k_min}, eval_k={self.eval_k})")
+        if self.dropout and self.block == "llama":
+            raise ValueError("model.dropout is placed by the paper block; the llama block (the baseline's) has "
+                             "none, so use model.dropout=0 with model.block=llama")
+        if not 0 <= self.dropout < 1 or self.window < 0 or self.prefill_chunk < 1 or self.bptt_memory_gb <= 0:
+            raise ValueError("model.dropout must be in [0, 1), model.window >= 0, model.prefill_chunk >= 1 and "
+                             "model.bptt_memory_gb > 0")
+
+    def validate_run(self, run) -> None:
+        if self.train_mode != "bptt":
+            return
+        p, T, B = run.parallel, run.data.seq_len, run.train.micro_batch_seqs
+        if self.document_mask:
+            raise ValueError("model.train_mode=bptt streams each sample from its first token: it does not "
+                             "support model.document_mask=true")
+        if p.recompute != "none":
+            raise ValueError(f"parallel.recompute={p.recompute} cannot recompute BPTT's step-by-step cache; use "
+                             "parallel.recompute=none with model.train_mode=bptt")
+        if p.sp:
+            raise ValueError("parallel.sp=true splits the sequence, which BPTT feeds one token at a time")
+        # Autograd keeps, per step and layer, the keys and values attended to and the probabilities.
+        keys = min(T, self.window or T)
+        need = B * self.n_layers * T * keys * (2 * self.d_model + self.n_heads) * 4 / max(p.tp, 1)
+        if need > self.bptt_memory_gb * 2**30:
+            raise ValueError(f"model.train_mode=bptt at data.seq_len={T} and train.micro_batch_seqs={B} would keep "
+                             f"about {need / 2**30:.1f} GB of activations per rank, over model.bptt_memory_gb="
+                             f"{self.bptt_memory_gb:g}; shorten the sequence, the micro batch or the window")
+
+
+class FFN(nn.Module):
+    """in -> hidden -> out: GELU with biases (the paper block) or SwiGLU without (the llama block).
+    The output layer's init std is `out_std` (0 zeroes it: the function-preserving correction)."""
+
+    def __init__(self, kind: str, dim_in: int, hidden: int, dim_out: int, init_std: float, out_std: float):
+        super().__init__()
+        self.kind = kind
+        if kind == "paper":
+            self.fc1 = ColumnLinear(dim_in, hidden, True, init_std=init_std)
+            self.fc2 = RowLinear(hidden, dim_out, True, init_std=out_std)
+        else:  # parameter names as baseline.SwiGLU's, so a converted baseline's weights load by name
+            self.gate = ColumnLinear(dim_in, hidden, init_std=init_std)
+            self.up = ColumnLinear(dim_in, hidden, init_std=init_std)
+            self.down = RowLinear(hidden, dim_out, init_std=out_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "paper":
+            return self.fc2(F.gelu(self.fc1(x)))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class PaperBlock(nn.Module):
+    """spec §2.1: h += Attn(LN(h)); h += FFN(LN(h)), with biases, dropout after each output."""
+
+    def __init__(self, cfg: CRTConfig, depth: int):
+        super().__init__()
+        self.attn_norm = LayerNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = baseline.Attention(cfg, depth, bias=True)
+        self.ffn_norm = LayerNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = FFN("paper", cfg.d_model, cfg.ffn, cfg.d_model, cfg.init_std, cfg.init_std / math.sqrt(2 * depth))
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, h, cos, sin, doc_ids, cache=None, layer=0) -> Tensor:
+        h = h + self.drop(self.attn(self.attn_norm(h), cos, sin, doc_ids, cache, layer))
+        return h + self.drop(self.ffn(self.ffn_norm(h)))
+
+
+class Trunk(nn.Module):
+    """The D blocks: one pass. A module of its own so that one pass can be recomputed as a unit."""
+
+    def __init__(self, cfg: CRTConfig):
+        super().__init__()
+        block = PaperBlock if cfg.block == "paper" else baseline.Block
+        self.blocks = nn.ModuleList(block(cfg, cfg.n_layers) for _ in range(cfg.n_layers))
+
+    def forward(self, x, cos, sin, doc_ids=None, cache=None) -> Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, doc_ids, cache, i)
+        return x
+
+
+class Correction(nn.Module):
+    """c_t from the previous position's block output z_{t-1} (and input x_{t-1}) and the embedding e_t:
+    add: corr(LN(z + e)); blind: corr(LN(z)); concat: corr(LN([z; e])) with a 2C-wide first layer;
+    block_head: z - x, the block's own residual update at t-1 (no parameters; spec §2.5)."""
+
+    def __init__(self, cfg: CRTConfig):
+        super().__init__()
+        self.variant = cfg.correction
+        C, out_std = cfg.d_model, 0.0 if cfg.corr_out_init == "zero" else cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        if self.variant != "block_head":
+            width = 2 * C if self.variant == "concat" else C
+            self.norm = (LayerNorm if cfg.block == "paper" else RMSNorm)(width, cfg.norm_eps)
+            self.ffn = FFN(cfg.block, width, cfg.ffn, C, cfg.init_std, out_std)
+            self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, z_prev: Tensor, x_prev: Tensor, e: Tensor) -> Tensor:
+        if self.variant == "block_head":
+            return z_prev - x_prev
+        u = {"add": lambda: z_prev + e, "blind": lambda: z_prev,
+             "concat": lambda: torch.cat((z_prev, e), dim=-1)}[self.variant]()
+        return self.drop(self.ffn(self.norm(u)))
+
+
+class CRTState(KVCache):
+    """Decode state: the per-layer KV caches, the previous position's block output z_prev and input
+    x_prev [B, 1, C] (zero before the first token)."""
+
+    z_prev: Tensor
+    x_prev: Tensor
+
+
+class CRT(Decoder):
+    def __init__(self, cfg: CRTConfig):
+        super().__init__(cfg)
+        self.trunk = Trunk(cfg)
+        self.correction = Correction(cfg) if cfg.corrected else None
+        if cfg.pre_ffn:  # roformer-hFFN: e <- e + FFN(LN(e)), once, before the stack
+            self.pre_norm = self.make_norm(cfg.d_model)
+            self.pre = FFN(cfg.block, cfg.d_model, cfg.ffn, cfg.d_model, cfg.init_std,
+                           cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def make_norm(self, dim: int) -> nn.Module:
+        return LayerNorm(dim, self.cfg.norm_eps) if self.cfg.block == "paper" else RMSNorm(dim, self.cfg.norm_eps)
+
+    def applications(self) -> list[nn.Module]:
+        return list(self.trunk.blocks)  # one pass per token at decode: one cache slot per layer
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        e = self.embed(tokens)
+        return e + self.pre(self.pre_norm(e)) if self.cfg.pre_ffn else e
+
+    # -- training and evaluation: K passes in parallel ----------------------------------------------
+    def passes(self, tokens, positions, doc_ids, K: int, corrections: int = 0) -> tuple[Tensor, list[Tensor]]:
+        """Block output z^(K) [B, T, C] after K passes, and the last `corrections` corrections
+        c^(K-corrections+1) .. c^(K) (c^(K) is computed only when asked: the loss does not use it)."""
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        reset = doc_ids[:, 1:] != doc_ids[:, :-1] if doc_ids is not None else None
+        if reset is not None:  # z_{-1} = 0 at each document's start, as at the sample's
+            reset = F.pad(reset, (1, 0), value=True)
+        e = self.embed_tokens(tokens)
+        x, kept = e, []
+        for k in range(1, K + 1):
+            z = self.trunk(x, cos, sin, doc_ids)
+            if self.correction is not None and (k < K or corrections):
+                c = self.correction(shift_right(z, reset), shift_right(x, reset), e)
+                kept = (kept + [c])[-corrections:] if corrections else kept
+                x = e + c  # non-cumulative: the embedding plus the newest correction
+        return z, kept
+
+    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
+        doc_ids = batch.doc_ids if self.cfg.document_mask else None
+        T = batch.tokens.shape[1]
+        if ctx.training and self.cfg.train_mode == "bptt":
+            z = self.recurrence(batch.tokens, batch.positions)
+            return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), {}
+        K = num_passes(self.cfg, ctx, T)
+        if ctx.training or K < 2 or self.correction is None:
+            z, _ = self.passes(batch.tokens, batch.positions, doc_ids, K)
+            diagnostics = {"k": torch.tensor(float(K), device=z.device)} if ctx.training else {}
+            return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), diagnostics
+        z, c = self.passes(batch.tokens, batch.positions, doc_ids, K, corrections=3)
+        return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), contraction(c, K)
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        z, _ = self.passes(tokens, positions, None, num_passes(self.cfg, EVAL, tokens.shape[1]))
+        return self.head.logits(self.norm(z))
+
+    # -- the recurrence itself: BPTT training and streaming decode -----------------------------------
+    def recurrence(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Block outputs [B, T, C] computed token by token, differentiably (BPTT: exact gradients of
+        the streaming model, spec §2.4); everything that does not depend on the state is hoisted."""
+        B, T = tokens.shape
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        e = self.embed_tokens(tokens)
+        cache = GradCache(self.cfg.n_layers, self.cfg.window)
+        z_prev = x_prev = e.new_zeros(B, 1, e.shape[-1])
+        outputs = []
+        for t in range(T):
+            e_t = e[:, t:t + 1]
+            x_prev = e_t + self.correction(z_prev, x_prev, e_t) if self.correction is not None else e_t
+            z_prev = self.trunk(x_prev, cos[:, :, t:t + 1], sin[:, :, t:t + 1], None, cache)
+            outputs.append(z_prev)
+        return torch.cat(outputs, dim=1)
+
+    def new_state(self, batch_size: int) -> CRTState:
+        p, cfg = self.embed.weight, self.cfg
+        state = CRTState(cfg.n_layers, batch_size, cfg.n_heads, cfg.max_seq_len, cfg.head_dim, p.device, p.dtype)
+        state.z_prev = state.x_prev = torch.zeros(batch_size, 1, cfg.d_model, device=p.device, dtype=p.dtype)
+        return state
+
+    def step(self, tokens: Tensor, state: CRTState) -> tuple[Tensor, CRTState]:
+        """Feed tokens [B, n] after the cached ones, exactly, in chunks of model.prefill_chunk."""
+        n = tokens.shape[1]
+        if state.length + n > state.max_len:
+            raise ValueError(f"generation would exceed model.max_seq_len {state.max_len}")
+        chunk = self.cfg.prefill_chunk
+        out = [self._chunk(tokens[:, i:i + chunk], state) for i in range(0, n, chunk)]
+        return torch.cat(out, dim=1), state
+
+    def _chunk(self, tokens: Tensor, state: CRTState) -> Tensor:
+        """S tokens in parallel on top of exact caches, exactly (spec §2.2's chunked prefill). The
+        first correction uses the cached z_prev, so c^(0) is exact at the chunk's first position and
+        pass k makes outputs exact up to position k-1: S passes suffice (one for a single token)."""
+        S = tokens.shape[1]
+        positions = torch.arange(state.length, state.length + S, device=tokens.device).expand_as(tokens)
+        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        e = self.embed_tokens(tokens)
+        z, x = e.new_zeros(e.shape), e.new_zeros(e.shape)  # pass 0's outputs: unknown, so zero
+        for _ in range(S if self.correction is not None else 1):
+            if self.correction is not None:
+                z_prev = torch.cat((state.z_prev, z[:, :-1]), dim=1)
+                x_prev = torch.cat((state.x_prev, x[:, :-1]), dim=1)
+                x = e + self.correction(z_prev, x_prev, e)
+            else:
+                x = e
+            z = self.trunk(x, cos, sin, None, state)  # (re)writes this chunk's keys and values
+        state.length += S
+        state.z_prev, state.x_prev = z[:, -1:], x[:, -1:]
+        return self.head.logits(self.norm(z))
+
+
+@torch.compiler.disable  # a host-side draw: not traced by torch.compile
+def num_passes(cfg: CRTConfig, ctx, seq_len: int) -> int:
+    """K for a step: U{k_min..k_max} from the step's generator in training (every rank and a resumed
+    run draw the same), model.eval_k (0: k_max, -1: T + 1) otherwise; 1 for the roformer."""
+    if not cfg.corrected:
+        return 1
+    if not ctx.training:
+        return {0: cfg.k_max, -1: seq_len + 1}.get(cfg.eval_k, cfg.eval_k)
+    if not cfg.k_min or cfg.k_min == cfg.k_max:
+        return cfg.k_max
+    return int(torch.randint(cfg.k_min, cfg.k_max + 1, (), generator=ctx.generator()))
+
+
+def contraction(c: list[Tensor], K: int) -> dict[str, Tensor]:
+    """The empirical contraction L̂ = |c^K_t - c^(K-1)_t| / |c^(K-1)_t - c^(K-2)_t| (spec §2.7), over
+    positions t >= K-1 only (before that both are exactly 0/0 or 0/x); per sequence its max and
+    median over t, averaged over the batch (c^0 = 0 when K = 2). Under sequence parallelism these are
+    over this rank's slice of positions."""
+    c_prev2, c_prev, c_last = ([torch.zeros_like(c[0])] + c)[-3:] if len(c) < 3 else c
+    first = K - 1
+    if c_last.shape[1] <= first:
+        return {}
+    num = (c_last - c_prev)[:, first:].norm(dim=-1)
+    den = (c_prev - c_prev2)[:, first:].norm(dim=-1)
+    ratio = num / (den + 1e-12)
+    return {"lhat_max": ratio.amax(dim=1).mean(), "lhat_median": ratio.median(dim=1).values.mean()}
+
+
+def block_params(cfg: CRTConfig) -> int:
+    """Matmul weights of one block: attention 4C^2, FFN 2CF (GELU) or 3CF (SwiGLU)."""
+    return 4 * cfg.d_model ** 2 + (2 if cfg.block == "paper" else 3) * cfg.d_model * cfg.ffn
+
+
+def corr_params(cfg: CRTConfig) -> int:
+    if not cfg.corrected or cfg.correction == "block_head":
+        return 0
+    width = (2 if cfg.correction == "concat" else 1) * cfg.d_model
+    return (width + cfg.d_model) * cfg.ffn if cfg.block == "paper" else (2 * width + cfg.d_model) * cfg.ffn
+
+
+def flops_per_token(cfg: CRTConfig, seq_len: int, ctx=None) -> float:
+    """FLOPS_FORMULA for the step `ctx` (its K), or its expectation over K when ctx is None."""
+    if cfg.train_mode == "bptt" and (ctx is None or ctx.training):
+        Ks = [1]
+    elif ctx is None:
+        Ks = range(cfg.k_min or cfg.k_max, cfg.k_max + 1) if cfg.corrected else [1]
+    else:
+        Ks = [num_passes(cfg, ctx, seq_len)]
+    C, D, keys = cfg.d_model, cfg.n_layers, min(seq_len, cfg.window or seq_len)
+    pre = corr_params(CRTConfig(**{**cfg.__dict__, "correction": "add"})) if cfg.pre_ffn else 0
+    total = 0.0
+    for K in Ks:
+        corr_uses = 1 if cfg.train_mode == "bptt" else K - 1
+        total += 6.0 * (K * D * block_params(cfg) + corr_uses * corr_params(cfg) + pre + cfg.vocab_size * C)
+        total += 12.0 * K * D * C * keys
+    return total / len(Ks)
+
+
+FLOPS_FORMULA = ("6 * (K * D * P_block + (K - 1) * P_corr + P_pre + V C) + 12 * K * D * C * T_k: K passes of D "
+                 "blocks (P_block = 4 C^2 + 2 C F, or 3 C F for the llama block), K - 1 corrections (P_corr = "
+                 "2 C F, or 3 C F; a 2C-wide first layer for concat), the pre-FFN of roformer-hFFN, the head; "
+                 "attention at T_k = min(T, window) keys; forward x 3, 2 FLOPs per multiply-add; K is the "
+                 "step's draw (its mean U{k_min..k_max} for the expected value), 1 with one correction per "
+                 "token under BPTT")
+
+
+def paper_formula_params(cfg: CRTConfig) -> int:
+    """spec §3.1's count: matmul weights and the head (D 12C^2 + 8C^2 + 2VC untied), no biases or norms."""
+    head = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    pre = corr_params(CRTConfig(**{**cfg.__dict__, "correction": "add"})) if cfg.pre_ffn else 0
+    return cfg.n_layers * block_params(cfg) + corr_params(cfg) + pre + head
+
+
+def tp_dims(cfg: CRTConfig) -> dict[str, int]:
+    return {"model.n_heads": cfg.n_heads, "model.ffn_hidden": cfg.ffn, "model.vocab_size": cfg.vocab_size}
+
+
+def _pass_units(model: CRT) -> list[nn.Module]:
+    return [model.trunk] + ([model.correction] if model.correction is not None else [])
+
+
+def _block_units(model: CRT) -> list[nn.Module]:
+    return list(model.trunk.blocks) + ([model.correction] if model.correction is not None else [])
+
+
+SPEC = register(ArchSpec(
+    name="crt",
+    config_cls=CRTConfig,
+    build=CRT,
+    flops_per_token=flops_per_token,
+    flops_formula=FLOPS_FORMULA,
+    new_state=decoder.new_state,
+    step=decoder.step,
+    logits=decoder.logits,
+    decode=DecodeRelation("exact", config={"eval_k": -1}, why=(
+        "streaming computes the recurrence's fixed point, which the K-pass parallel forward reaches at every "
+        "position when K >= T + 1 (spec §2.3); at the trained K only the first K - 1 positions are exact")),
+    progress=("k",),
+    supports=Support(reasons={"pp": (
+        "each of the K passes runs every block and feeds the last stage's output back to the first, so "
+        "pipeline stages would idle K - 1 times out of K")}),
+    tp_dims=tp_dims,
+    # pass: keep only each pass's input and recompute the pass (memory ~K B T C plus one pass);
+    # block: keep each block's input in each pass (K D B T C plus one block)
+    recompute_units={"pass": _pass_units, "block": _block_units},
+))
