@@ -26,6 +26,12 @@ def _normal(std: float):
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
 
+def _at_least_fp32(x: Tensor) -> Tensor:
+    """Norm statistics and logits in float32 under bf16, kept in float64 when computed in it (the
+    numerical tests compare paths, values and gradients, in float64)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class ColumnLinear(nn.Linear):
     """y = x W^T with W split by output features under TP (q/k/v, FFN gate and up projections).
 
@@ -93,9 +99,9 @@ class RMSNorm(nn.Module):
             self.weight.sequence_parallel = True
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
+        x32 = _at_least_fp32(x)
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(x32.dtype)).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -112,7 +118,8 @@ class LayerNorm(nn.Module):
             self.weight.sequence_parallel = self.bias.sequence_parallel = True
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        x32 = _at_least_fp32(x)
+        y = F.layer_norm(x32, x.shape[-1:], self.weight.to(x32.dtype), self.bias.to(x32.dtype), self.eps)
         return y.to(x.dtype)
 
 
@@ -145,10 +152,6 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
-def _at_least_fp32(x: Tensor) -> Tensor:
-    """Logits in float32 for softmax statistics under bf16, kept in float64 when computed in it
-    (the registry-wide tests compare decode paths in float64)."""
-    return x if x.dtype == torch.float64 else x.float()
 
 
 class LMHead(nn.Module):

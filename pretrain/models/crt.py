@@ -377,6 +377,38 @@ def paper_formula_params(cfg: CRTConfig) -> int:
     return cfg.n_layers * block_params(cfg) + corr_params(cfg) + pre + head
 
 
+def convert(source_arch: str, source_cfg, source_state: dict[str, Tensor], target_cfg: CRTConfig) -> dict[str, Tensor]:
+    """A trained transformer as a CRT (spec §2.6): its embedding, blocks, final norm and head copied;
+    the correction's norm at one (and zero bias), its first layer at a fresh init and its output layer
+    zero, so the correction is identically zero and the CRT computes the transformer's function for
+    every K and in streaming until fine-tuning moves the output layer. Sources: a `baseline` run (into
+    the llama block) or a CRT-family run of the same block (a roformer, correction none)."""
+    if source_arch == "baseline":
+        block = "llama"
+    elif source_arch == "crt":
+        block = source_cfg.block
+    else:
+        raise ValueError(f"model.arch crt converts from a baseline or crt run, not from {source_arch!r}")
+    fields = ("block", "d_model", "n_layers", "n_heads", "ffn", "vocab_size", "tie_embeddings")
+    source = dict(zip(fields, [block] + [getattr(source_cfg, f) for f in fields[1:]]))
+    for name, value in source.items():
+        if getattr(target_cfg, name) != value:
+            raise ValueError(f"cannot convert a {source_arch} run with model.{name}={value} into a CRT with "
+                             f"model.{name}={getattr(target_cfg, name)}: set it to {value}")
+    device = next(iter(source_state.values())).device
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(0)  # the correction's first layer: a fresh init, the same on every rank
+        state = CRT(target_cfg).state_dict()
+    for name, tensor in source_state.items():
+        target = name if source_arch == "crt" or not name.startswith("blocks.") else "trunk." + name
+        if target.startswith(("trunk.", "embed.", "norm.", "head.", "pre")) and target in state:
+            state[target] = tensor
+    for name in state:
+        if name.startswith("correction.ffn.") and name.split(".")[2] in ("fc2", "down"):
+            state[name] = torch.zeros_like(state[name])
+    return state
+
+
 def tp_dims(cfg: CRTConfig) -> dict[str, int]:
     return {"model.n_heads": cfg.n_heads, "model.ffn_hidden": cfg.ffn, "model.vocab_size": cfg.vocab_size}
 

@@ -28,7 +28,7 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tens
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, T, Dh]; cos, sin [B, 1, T, Dh/2] already gathered at the tokens' positions."""
-    pairs = x.float().unflatten(-1, (-1, 2))
+    pairs = (x if x.dtype == torch.float64 else x.float()).unflatten(-1, (-1, 2))
     a, b = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
