@@ -59,9 +59,11 @@ def _parser() -> argparse.ArgumentParser:
                    "directory to resume")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
 
-    e = verb("eval", "validation loss and perplexity of a checkpoint",
+    e = verb("eval", "validation loss and perplexity of a checkpoint (and a synthetic task's accuracy per level)",
              "examples:\n  pretrain eval runs/quickstart --batches 50 --unigram-entropy\n"
-             "  pretrain eval runs/quickstart data.valid=[data/other_text_document]\n\n" + _RUN_PATHS)
+             "  pretrain eval runs/quickstart data.valid=[data/other_text_document]\n"
+             "  pretrain eval runs/pc-tiny          # data.task runs: also 'accuracy L0 ... LH' on held-out sequences\n\n"
+             + _RUN_PATHS)
     e.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
     e.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     e.add_argument("--batches", type=int, default=0, help="micro batches to evaluate (default: train.eval_batches)")
@@ -161,13 +163,19 @@ def _train(args) -> int:
 def _eval(args) -> int:
     from pretrain.data.build import valid_dataset
     from pretrain.generate import load_for_inference
+    from pretrain.tasks import accuracy_line, evaluate_accuracy
     from pretrain.trainer import collator_for, evaluate_loss
 
     model, spec, cfg, _ = load_for_inference(args.path, overrides=args.overrides, need=("tokenizer", "eval"))
+    if args.unigram_entropy and cfg.data.task:
+        raise ValueError(f"--unigram-entropy reads validation files; this run trains on data.task={cfg.data.task}")
     data, available = valid_dataset(cfg.data)
     micro = cfg.train.micro_batch_seqs
     n = min((args.batches or cfg.train.eval_batches) * micro, available)
-    result = evaluate_loss(model, data, n, micro, collator_for(cfg.data), next(model.parameters()).device)
+    device = next(model.parameters()).device
+    result = evaluate_loss(model, data, n, micro, collator_for(cfg.data), device)
+    if cfg.data.task:  # the task's accuracy per group, e.g. per pointer-chasing level (val_acc_L0 ...)
+        result.update(evaluate_accuracy(model, spec.logits, data, n, micro, device))
     if args.unigram_entropy:
         result["unigram_entropy"] = unigram_entropy(cfg.data, cfg.model.vocab_size)
     if args.json:
@@ -175,6 +183,8 @@ def _eval(args) -> int:
         return 0
     print(f"val loss {result['val_loss']:.4f} nats/token, perplexity {result['val_ppl']:.2f} "
           f"({result['val_tokens']:,} tokens)")
+    if cfg.data.task:
+        print(f"{cfg.data.task} {accuracy_line(result)} ({n:,} held-out sequences)")
     if args.unigram_entropy:
         gap = result["unigram_entropy"] - result["val_loss"]
         print(f"unigram entropy of the validation tokens {result['unigram_entropy']:.4f} nats; "

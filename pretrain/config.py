@@ -82,14 +82,22 @@ class DataConfig:
     mask_cross_document: bool = True  # no loss on targets that start a new document
     num_workers: int = 1  # DataLoader worker processes (0 = in the training process)
     cache_dir: str = ""  # index cache; "" = beside each dataset
+    # A synthetic task (pretrain/tasks) generated from data.seed instead of the files above; "" = files.
+    task: str = ""
+    task_params: Any = None  # the task's typed parameters (its registry config class), with data.task
 
     def resolved_split(self) -> str:
         return self.split or ("1,0,0" if self.valid else "949,50,1")
 
     def validate(self) -> None:
-        if not self.train:
+        if self.task:
+            for name in ("train", "valid", "tokenizer"):
+                if getattr(self, name):
+                    raise ConfigError(f"data.{name} must be empty with data.task={self.task} (the task generates "
+                                      "its own tokens); set data.task='' to train on files")
+        elif not self.train:
             raise ConfigError("data.train is empty; give one or more .bin/.idx prefixes "
-                              "(make them with `pretrain-data preprocess`)")
+                              "(make them with `pretrain-data preprocess`), or a synthetic data.task")
         if self.train_weights and len(self.train_weights) != len(self.train):
             raise ConfigError(f"data.train_weights has {len(self.train_weights)} entries for "
                               f"{len(self.train)} data.train prefixes")
@@ -98,6 +106,20 @@ class DataConfig:
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}")
         self.check_files()
+
+    def validate_task(self, vocab_size: int) -> None:
+        """data.task and data.task_params agree, and the run fits the task (seq_len, model.vocab_size)."""
+        if not self.task:
+            if self.task_params is not None:
+                raise ConfigError("data.task_params is set but data.task is empty; name the task (e.g. "
+                                  "data.task=pointer_chasing) or remove data.task_params")
+            return
+        from pretrain.tasks import check_run
+
+        try:
+            check_run(self.task, self.task_params, self.seq_len, vocab_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def check_files(self, fields: tuple = ("train", "valid", "tokenizer")) -> None:
         """The datasets and tokenizer named by `fields` exist ("eval": those evaluation reads); else
@@ -223,6 +245,7 @@ class RunConfig:
         if self.train.compile and self.parallel.data_parallel != "ddp":
             raise ConfigError(f"train.compile=true is supported with parallel.data_parallel=ddp only; set "
                               f"train.compile=false for {self.parallel.data_parallel}")
+        self.data.validate_task(self.model.vocab_size)
         if check_data:
             self.data.validate()
         self.optim.validate()
@@ -286,8 +309,10 @@ def load_config(source: str, overrides: list[str] | tuple = (), check_data: bool
     except Exception as e:
         raise ConfigError(f"cannot read the overrides: {_one_line(e)}") from None
     arch = OmegaConf.select(cli, "model.arch") or OmegaConf.select(raw, "model.arch") or "baseline"
+    task = OmegaConf.select(cli, "data.task")
+    task = OmegaConf.select(raw, "data.task") if task is None else task
     try:
-        merged = OmegaConf.merge(_schema(str(arch)), raw, cli)
+        merged = OmegaConf.merge(_schema(str(arch), str(task or "")), raw, cli)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config {path}: {_one_line(e)}") from None
@@ -347,21 +372,32 @@ def config_from_dict(d: dict, check_data: bool = False, overrides: list[str] | t
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        merged = OmegaConf.merge(_schema(d.get("model", {}).get("arch", "baseline")), d,
-                                 OmegaConf.from_dotlist(list(overrides)))
+        cli = OmegaConf.from_dotlist(list(overrides))
+        task = OmegaConf.select(cli, "data.task")
+        task = (d.get("data") or {}).get("task", "") if task is None else task
+        merged = OmegaConf.merge(_schema(d.get("model", {}).get("arch", "baseline"), str(task or "")), d, cli)
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"the stored config with overrides {' '.join(overrides)}: {_one_line(e)}") from None
     return cfg.validate(check_data=check_data)
 
 
-def _schema(arch: str):
-    """The typed OmegaConf schema of a run whose model is `arch` (its registry config class)."""
+def _schema(arch: str, task: str = ""):
+    """The typed OmegaConf schema of a run whose model is `arch` (its registry config class) and whose
+    data is the synthetic `task` ("" = files; then data.task_params stays untyped and must be unset)."""
     from omegaconf import OmegaConf
 
     from pretrain.models import get_arch
 
-    return OmegaConf.structured(RunConfig(model=get_arch(arch).config_cls()))
+    data = DataConfig()
+    if task:
+        from pretrain.tasks import get_task
+
+        try:
+            data.task_params = get_task(task).config_cls()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return OmegaConf.structured(RunConfig(model=get_arch(arch).config_cls(), data=data))
 
 
 def to_yaml(cfg: RunConfig) -> str:

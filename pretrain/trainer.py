@@ -37,6 +37,7 @@ from pretrain.models.base import EVAL, StepContext
 from pretrain.optim import build_optimizer, lr_at
 from pretrain.preemption import StopOnSignal, StopRequested
 from pretrain.runs import make_absolute
+from pretrain.tasks import accuracy_line
 
 
 class NonFiniteLossError(RuntimeError):
@@ -60,7 +61,12 @@ def autocast_dtype(train, device: torch.device) -> torch.dtype | None:
 
 
 def collator_for(data) -> Collator:
-    """The collate function a DataConfig asks for (the tokenizer's EOD id, position and mask options)."""
+    """The collate function a DataConfig asks for (the tokenizer's EOD id, position and mask options;
+    a synthetic task's own collator)."""
+    if data.task:
+        from pretrain.tasks import TaskCollator
+
+        return TaskCollator()
     eod_id = None
     if data.tokenizer:
         from data_tools.tokenizer import load_tokenizer
@@ -186,8 +192,14 @@ class Trainer:
     def evaluate(self) -> dict:
         t = self.cfg.train
         n = min(t.eval_batches * t.micro_batch_seqs, self.valid_samples)
-        return evaluate_loss(self.model, self.valid_data, n, t.micro_batch_seqs, self.collate, self.device,
-                             self._autocast)
+        out = evaluate_loss(self.model, self.valid_data, n, t.micro_batch_seqs, self.collate, self.device,
+                            self._autocast)
+        if self.cfg.data.task:  # a synthetic task also reports its accuracy per group (val_acc_<group>)
+            from pretrain.tasks import evaluate_accuracy
+
+            out.update(evaluate_accuracy(self.model, self.spec.logits, self.valid_data, n, t.micro_batch_seqs,
+                                         self.device, self._autocast))
+        return out
 
     # -- the loop --------------------------------------------------------------------------------
     def _train_step(self, batches, n_micro: int, window: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +294,8 @@ class Trainer:
                         self.log("kernels: " + (", ".join(f"{op} {'+'.join(p)}" for op, p in paths_used().items())
                                                 or "none dispatched"))
                     self.log(progress_line(record, t.max_steps, self.spec.progress) + (
-                        f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else ""))
+                        f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else "")
+                        + (f" | {accuracy_line(record)}" if do_eval and cfg.data.task else ""))
                     window = self._new_window()
                 if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save()

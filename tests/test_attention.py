@@ -2,8 +2,9 @@
 
 The reference is an explicit masked softmax in float64; the sdpa path must match it in outputs and in
 the gradients of q, k and v at odd shapes, with packed documents (a one-token document included),
-with and without a custom scale, and in streaming decode at several cache offsets. The dispatcher
-must say which path ran, obey a forced path, and survive torch.compile(fullgraph=True).
+with and without a custom scale, and in streaming decode at several cache offsets; the same with a
+sliding window. The dispatcher must say which path ran, obey a forced path, and survive
+torch.compile(fullgraph=True).
 """
 import itertools
 import os
@@ -154,3 +155,117 @@ def test_compiles_with_fullgraph():
     attn.reset_paths_used()
     torch.testing.assert_close(compiled(q, k, v, doc_ids), fn(q, k, v, doc_ids), rtol=1e-5, atol=1e-6)
     assert attn.paths_used() == {"reference"}
+
+
+# --- sliding window: query t sees keys t - window < s <= t (window counts the query itself) ---------
+
+
+def test_windowed_reference_is_the_textbook_formula():
+    """A per-row loop over the keys the window allows, with packed documents."""
+    B, H, T, Dh, window = 2, 1, 9, 3, 3
+    q, k, v = (t.detach() for t in qkv(B, H, T, T, Dh))
+    doc_ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1, 2]])
+    out = reference.attention(q, k, v, doc_ids, window=window)
+    for b, i in itertools.product(range(B), range(T)):
+        keys = [j for j in range(i - window + 1, i + 1) if j >= 0 and doc_ids[b, j] == doc_ids[b, i]]
+        w = torch.softmax(q[b, 0, i] @ k[b, 0, keys].T / Dh**0.5, dim=-1)
+        torch.testing.assert_close(out[b, 0, i], w @ v[b, 0, keys], **TOL)
+
+
+@pytest.mark.parametrize("B,H,T,Dh", [(1, 1, 7, 4), (3, 3, 7, 10), (3, 1, 33, 4), (1, 3, 33, 10)])
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("window", [1, 2, 5, 32])
+def test_windowed_sdpa_matches_reference(B, H, T, Dh, docs, window):
+    q, k, v = qkv(B, H, T, T, Dh, seed=window)
+    doc_ids = packed_doc_ids(B, T) if docs else None
+    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, doc_ids, 0.37, window), q, k, v)
+    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, doc_ids, 0.37, window=window), q, k, v)
+    assert_same(fast, ref)
+    longest_doc = T - 3 if docs else T  # packed_doc_ids' last document of row 0
+    if window < longest_doc:  # the window must actually change the answer, or this test could not fail
+        plain = reference.attention(q, k, v, doc_ids, 0.37).detach()
+        assert not torch.allclose(fast[0], plain)
+
+
+@pytest.mark.parametrize("path", attn.PATHS)
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_windowed_cached_attention_equals_full_row_by_row(path, window):
+    """Token-by-token decode with the whole cache, and with a cache trimmed to the last window-1 keys
+    (passing the offset into the trimmed cache), equals the full windowed attention at every row."""
+    B, H, T, Dh = 2, 3, 11, 4
+    q, k, v = (t.detach() for t in qkv(B, H, T, T, Dh, seed=3))
+    full = reference.attention(q, k, v, window=window)
+    attn.use_path(path)
+    for t in range(T):
+        row = attn.cached_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], t, window=window)
+        torch.testing.assert_close(row[:, :, 0], full[:, :, t], **TOL)
+        start = max(0, t - window + 1)
+        trimmed = attn.cached_attention(q[:, :, t : t + 1], k[:, :, start : t + 1], v[:, :, start : t + 1],
+                                        t - start, window=window)
+        torch.testing.assert_close(trimmed[:, :, 0], full[:, :, t], **TOL)
+    # and a multi-token chunk after a cache (chunked prefill), with gradients
+    offset = 4
+    qc = q[:, :, offset:].clone().requires_grad_()
+    kr, vr = k.clone().requires_grad_(), v.clone().requires_grad_()
+    dec = output_and_grads(lambda q, k, v: attn.cached_attention(q, k, v, offset, window=window), qc, kr, vr)
+    qf = q.clone().requires_grad_()
+    grad_full = torch.cat([torch.zeros(B, H, offset, Dh, dtype=torch.float64), cotangent(dec[0].shape)], dim=2)
+    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v, window=window), qf, kr, vr,
+                                       grad_full)
+    assert_same(dec, [out[:, :, offset:], dq[:, :, offset:], dk, dv])
+    assert attn.paths_used() == {path}
+
+
+@pytest.mark.parametrize("path", attn.PATHS)
+@pytest.mark.parametrize("docs", [False, True])
+def test_window_at_least_T_equals_no_window(path, docs):
+    B, H, T, Dh = 2, 3, 9, 4
+    q, k, v = qkv(B, H, T, T, Dh, seed=5)
+    doc_ids = packed_doc_ids(B, T) if docs else None
+    attn.use_path(path)
+    plain = output_and_grads(lambda q, k, v: attn.attention(q, k, v, doc_ids), q, k, v)
+    for window in (T, T + 1, 1000):
+        assert_same(output_and_grads(lambda q, k, v: attn.attention(q, k, v, doc_ids, window=window), q, k, v),
+                    plain)
+        dec = attn.cached_attention(q[:, :, 3:], k, v, 3, window=window)
+        torch.testing.assert_close(dec, attn.cached_attention(q[:, :, 3:], k, v, 3), **TOL)
+
+
+@pytest.mark.parametrize("path", attn.PATHS)
+@pytest.mark.parametrize("docs", [False, True])
+def test_window_one_attends_to_self_only(path, docs):
+    B, H, T, Dh = 2, 3, 8, 5
+    q, k, v = qkv(B, H, T, T, Dh, seed=6)
+    doc_ids = packed_doc_ids(B, T) if docs else None
+    attn.use_path(path)
+    out, dq, dk, dv = output_and_grads(lambda q, k, v: attn.attention(q, k, v, doc_ids, window=1), q, k, v)
+    torch.testing.assert_close(out, v.detach(), **TOL)
+    # one key per row: the softmax is constant, so nothing flows to q or k and dv is the cotangent
+    assert torch.all(dq.abs() < 1e-12) and torch.all(dk.abs() < 1e-12)
+    torch.testing.assert_close(dv, cotangent(out.shape), **TOL)
+    torch.testing.assert_close(attn.cached_attention(q[:, :, 5:], k, v, 5, window=1), v.detach()[:, :, 5:], **TOL)
+
+
+@pytest.mark.parametrize("path", attn.PATHS)
+@pytest.mark.parametrize("window", [0, -2])
+def test_window_below_one_is_refused(path, window):
+    q, k, v = (t.detach() for t in qkv(1, 1, 4, 4, 2))
+    attn.use_path(path)
+    with pytest.raises(ValueError, match=f"attention window={window} must be at least 1"):
+        attn.attention(q, k, v, window=window)
+    with pytest.raises(ValueError, match=f"attention window={window} must be at least 1"):
+        attn.cached_attention(q, k, v, 0, window=window)
+
+
+def test_windowed_attention_compiles_with_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = (t.detach().float().requires_grad_() for t in qkv(2, 3, 7, 7, 4))
+    doc_ids = packed_doc_ids(2, 7)
+
+    def fn(q, k, v, doc_ids):
+        return attn.attention(q, k, v, doc_ids, window=3) + attn.cached_attention(q, k, v, 0, window=2)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, doc_ids)
+    out.sum().backward()
+    torch.testing.assert_close(out, fn(q, k, v, doc_ids))

@@ -117,3 +117,26 @@ def test_generation_past_max_seq_len_is_refused():
     state = SPEC.new_state(model, 1)
     with torch.no_grad(), pytest.raises(ValueError, match="exceed model.max_seq_len 8"):
         SPEC.step(model, torch.zeros(1, 9, dtype=torch.long), state)
+
+
+def test_sliding_window_limits_attention_and_decode_follows_it():
+    """model.window: streaming decode equals the parallel forward, and a token outside every
+    position's window (reached only through layers) does not change the first layer's view: with one
+    layer, the last position's logits ignore tokens more than `window` back, which full attention sees."""
+    torch.manual_seed(2)
+    model = SPEC.build(tiny(window=4, n_layers=1)).double().eval()
+    tokens = torch.randint(0, 97, (2, 15))
+    changed = tokens.clone()
+    changed[:, 5] = (changed[:, 5] + 1) % 97  # 9 positions before the last: outside a window of 4
+    with torch.no_grad():
+        full = SPEC.logits(model, tokens)
+        state = SPEC.new_state(model, 2)
+        streamed = torch.cat([SPEC.step(model, tokens[:, :6], state)[0]]
+                             + [SPEC.step(model, tokens[:, t : t + 1], state)[0] for t in range(6, 15)], dim=1)
+        torch.testing.assert_close(streamed, full, rtol=0, atol=1e-10)
+        torch.testing.assert_close(SPEC.logits(model, changed)[:, -1], full[:, -1], rtol=0, atol=1e-12)
+        unwindowed = SPEC.build(tiny(n_layers=1)).double().eval()
+        unwindowed.load_state_dict(model.state_dict())
+        assert not torch.allclose(SPEC.logits(unwindowed, changed)[:, -1], SPEC.logits(unwindowed, tokens)[:, -1])
+    with pytest.raises(ValueError, match="model.window must be >= 0"):
+        tiny(window=-1).validate()

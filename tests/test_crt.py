@@ -54,7 +54,8 @@ def parallel(model, tokens, K):
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(block="llama"), dict(correction="concat"),
-                                     dict(correction="blind"), dict(correction="block_head"), dict(pre_ffn=True)])
+                                     dict(correction="blind"), dict(correction="block_head"), dict(pre_ffn=True),
+                                     dict(window=3)])
 def test_streaming_equals_parallel_at_T_plus_1_and_the_first_K_minus_1_positions(variant):
     model, tokens = model_of(**variant), tokens_of(T=9)
     seq = streamed(model, tokens)
@@ -135,12 +136,13 @@ def test_conversion_refuses_another_width_depth_vocabulary_or_block():
         convert("sps", scfg, state, cfg_of())
 
 
-def test_bptt_gradients_equal_the_parallel_forward_at_K_T_plus_1():
+@pytest.mark.parametrize("window", [0, 3])
+def test_bptt_gradients_equal_the_parallel_forward_at_K_T_plus_1(window):
     tokens = tokens_of(T=8)
     labels = tokens.roll(-1, 1)
 
     def grads(K):
-        model = model_of()
+        model = model_of(window=window)
         model.cfg.eval_k = K
         positions = torch.arange(8).expand_as(tokens)
         z = model.recurrence(tokens, positions) if K is None else model.passes(tokens, positions, None, K)[0]

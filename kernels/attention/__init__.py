@@ -1,7 +1,11 @@
 """Attention with causal and document masks: the entry points every model calls.
 
-    attention(q, k, v, doc_ids=None, scale=None)        training and prefill, [B, H, T, Dh]
-    cached_attention(q, k, v, offset, scale=None)       decode: Tq queries after `offset` cached tokens
+    attention(q, k, v, doc_ids=None, scale=None, window=None)      training and prefill, [B, H, T, Dh]
+    cached_attention(q, k, v, offset, scale=None, window=None)     decode: Tq queries after `offset` cached tokens
+
+`window` (None = unlimited) is a sliding window: the query at position t sees keys at positions s
+with t - window < s <= t, so it counts the keys a query sees, itself included. It combines with the
+causal and the document masks.
 
 Each call runs one path: "sdpa" (torch's scaled_dot_product_attention, every device today) or
 "reference" (the naive definition in reference.py). Fast kernels (Triton, FlexAttention) plug in
@@ -63,24 +67,29 @@ def _record(name: str) -> None:
     _used.add(name)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
+              window: int | None = None) -> Tensor:
     """Causal attention [B, H, T, Dh] -> [B, H, T, Dh]; tokens attend within their document when
-    doc_ids [B, T] is given; scale defaults to 1/sqrt(Dh)."""
+    doc_ids [B, T] is given, and to at most `window` keys (themselves included) when window is given;
+    scale defaults to 1/sqrt(Dh)."""
     name = _pick(q)
     _record(name)
     if name == "reference":
-        return reference.attention(q, k, v, doc_ids, scale)
-    return sdpa.attention(q, k, v, doc_ids, scale)
+        return reference.attention(q, k, v, doc_ids, scale, window=window)
+    return sdpa.attention(q, k, v, doc_ids, scale, window)
 
 
-def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None) -> Tensor:
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None,
+                     window: int | None = None) -> Tensor:
     """Streaming decode: queries [B, H, Tq, Dh] at positions offset .. offset+Tq-1 attend causally to
-    keys and values [B, H, offset+Tq, Dh] (the cache followed by the new tokens)."""
+    keys and values [B, H, offset+Tq, Dh] (the cache followed by the new tokens), within the last
+    `window` positions when window is given. A caller may keep only the last window-1 cached keys:
+    then it passes the offset into that trimmed cache (the mask depends only on relative positions)."""
     name = _pick(q)
     _record(name)
     if name == "reference":
-        return reference.attention(q, k, v, None, scale, offset)
-    return sdpa.cached_attention(q, k, v, offset, scale)
+        return reference.attention(q, k, v, None, scale, offset, window)
+    return sdpa.cached_attention(q, k, v, offset, scale, window)
 
 
 __all__ = ["PATHS", "attention", "cached_attention", "document_causal_mask", "paths_used", "reset_paths_used",

@@ -6,8 +6,9 @@ fast paths are compared with.
 
 Shapes follow SDPA: q [B, H, Tq, Dh], k and v [B, H, Tk, Dh]. Queries sit at absolute positions
 offset .. offset+Tq-1 (offset > 0 in streaming decode, after that many cached tokens), keys at
-0 .. Tk-1. Query i attends to key j when j <= offset + i and, if `doc_ids` [B, Tk] is given, both
-tokens belong to the same document of the packed sample.
+0 .. Tk-1. Query i attends to key j when j <= offset + i, when j > offset + i - window if a sliding
+`window` is given (it counts the keys a query sees, itself included), and, if `doc_ids` [B, Tk] is
+given, when both tokens belong to the same document of the packed sample.
 """
 from __future__ import annotations
 
@@ -15,14 +16,22 @@ import torch
 from torch import Tensor
 
 
+def check_window(window: int | None) -> None:
+    if window is not None and window < 1:
+        raise ValueError(f"attention window={window} must be at least 1 (it counts the query's own key)")
+
+
 def allowed_mask(Tq: int, Tk: int, offset: int = 0, doc_ids: Tensor | None = None,
-                 device: torch.device | str | None = None) -> Tensor:
+                 device: torch.device | str | None = None, window: int | None = None) -> Tensor:
     """Boolean [B or 1, 1, Tq, Tk] mask, True where query i may attend to key j."""
+    check_window(window)
     if doc_ids is not None:
         device = doc_ids.device
     q_pos = torch.arange(offset, offset + Tq, device=device)
     k_pos = torch.arange(Tk, device=device)
     allowed = (k_pos[None, :] <= q_pos[:, None])[None]  # [1, Tq, Tk]
+    if window is not None:
+        allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)[None]
     if doc_ids is not None:
         q_doc = doc_ids[:, offset : offset + Tq]
         allowed = allowed & (q_doc[:, :, None] == doc_ids[:, None, :])  # [B, Tq, Tk]
@@ -36,16 +45,16 @@ def document_causal_mask(doc_ids: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
-              offset: int = 0) -> Tensor:
+              offset: int = 0, window: int | None = None) -> Tensor:
     """softmax(q k^T * scale, masked) v, [B, H, Tq, Dh] -> [B, H, Tq, Dh]; scale defaults to 1/sqrt(Dh)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     scores = (q @ k.transpose(-2, -1)) * scale
-    mask = allowed_mask(q.shape[-2], k.shape[-2], offset, doc_ids, q.device)
+    mask = allowed_mask(q.shape[-2], k.shape[-2], offset, doc_ids, q.device, window)
     scores = scores.masked_fill(~mask, float("-inf"))
     # Subtracting the row max keeps exp from overflowing; the softmax does not depend on it, so it is
     # detached (its true gradient is zero, and amax's backward would only add rounding noise).
-    # Every row keeps at least its diagonal key, so no row is all -inf.
+    # Every row keeps at least its diagonal key (window >= 1), so no row is all -inf.
     weights = (scores - scores.amax(-1, keepdim=True).detach()).exp()
     weights = weights / weights.sum(-1, keepdim=True)
     return weights @ v

@@ -1,9 +1,9 @@
 """Attention through torch's scaled_dot_product_attention, the fast path on CPU and GPU.
 
-Without doc_ids SDPA's own causal flag is used, which lets it pick the flash / memory-efficient
-kernels. With doc_ids (or a query offset in decode) an explicit boolean mask is passed instead.
-A sample that holds a single document needs no mask either, but checking that would cost a device
-sync per call, so the mask is used whenever doc_ids is passed.
+Without doc_ids or a window, SDPA's own causal flag is used, which lets it pick the flash /
+memory-efficient kernels. With doc_ids, a sliding window (or a query offset in decode) an explicit
+boolean mask is passed instead. A sample that holds a single document needs no mask either, but
+checking that would cost a device sync per call, so the mask is used whenever doc_ids is passed.
 
 These calls are exactly the ones the models made before this module existed, so training losses and
 decoded tokens are bit-identical to that code.
@@ -14,22 +14,42 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.attention.reference import check_window
 
-def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None) -> Tensor:
-    """Causal attention [B, H, T, Dh] -> [B, H, T, Dh]; documents isolated when doc_ids [B, T] is given."""
-    if doc_ids is None:
+
+def _band(Tq: int, Tk: int, offset: int, window: int | None, device: torch.device) -> Tensor:
+    """[Tq, Tk] bool: query i (at position offset+i) sees keys offset+i-window < j <= offset+i."""
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril_(offset)
+    if window is not None:
+        mask.triu_(offset - window + 1)
+    return mask
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
+              window: int | None = None) -> Tensor:
+    """Causal attention [B, H, T, Dh] -> [B, H, T, Dh]; documents isolated when doc_ids [B, T] is given;
+    each query sees at most `window` keys (itself included) when window is given."""
+    check_window(window)
+    T = q.shape[-2]
+    if window is not None and window >= T:
+        window = None  # the band covers the whole triangle: keep the unmasked fast kernels
+    if doc_ids is None and window is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    T = doc_ids.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril_()
-    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=(same_doc & causal)[:, None], scale=scale)
+    mask = _band(T, T, 0, window, q.device)
+    if doc_ids is not None:
+        mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & mask
+        mask = mask[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None) -> Tensor:
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None,
+                     window: int | None = None) -> Tensor:
     """Queries [B, H, Tq, Dh] after `offset` cached tokens, keys and values [B, H, offset+Tq, Dh].
 
     SDPA's is_causal aligns the mask to the top-left corner, which is wrong once Tq < Tk, so the
-    mask is explicit: query i sees keys 0 .. offset+i (tril shifted right by offset).
+    mask is explicit: query i sees keys 0 .. offset+i (tril shifted right by offset), and with a
+    window only the last `window` of them.
     """
-    mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril_(offset)
+    check_window(window)
+    mask = _band(q.shape[-2], k.shape[-2], offset, window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

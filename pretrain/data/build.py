@@ -1,4 +1,7 @@
-"""From a DataConfig to the training and validation datasets, with the checks a run needs first."""
+"""From a DataConfig to the training and validation datasets, with the checks a run needs first.
+
+With data.task set the datasets are a synthetic task's streams (pretrain/tasks): the training stream
+seeded by data.seed, validation by the task's fixed held-out seed; no file is read."""
 from __future__ import annotations
 
 from data_tools.indexed import IndexedDataset
@@ -29,6 +32,10 @@ def _combine(parts: list[PackedDataset], weights: list[float]):
 
 def train_dataset(data):
     """The (possibly blended) training samples; blend weights default to each split's token count."""
+    if data.task:
+        from pretrain.tasks import TaskDataset
+
+        return TaskDataset(data.task, data.task_params, data.seed)
     parts = [_packed(data, p, data.resolved_split(), "train") for p in data.train]
     return _combine(parts, list(data.train_weights))
 
@@ -45,5 +52,10 @@ def valid_parts(data) -> list[PackedDataset]:
 
 def valid_dataset(data):
     """(dataset, number of distinct samples) for validation."""
+    if data.task:
+        from pretrain.tasks import TaskDataset
+
+        held_out = TaskDataset(data.task, data.task_params, None)
+        return held_out, len(held_out)
     parts = valid_parts(data)
     return _combine(parts, []), sum(len(p) for p in parts)

@@ -35,6 +35,7 @@ class BaselineConfig(ModelConfig):
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     document_mask: bool = False  # attend only within a document of the packed sample
+    window: int = 0  # sliding attention window in keys, the query's own included (0 = unlimited)
     init_std: float = 0.02
 
     @property
@@ -56,6 +57,8 @@ class BaselineConfig(ModelConfig):
             raise ValueError(f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model head dimension d_model / n_heads = {self.head_dim} must be even for RoPE")
+        if self.window < 0:
+            raise ValueError(f"model.window must be >= 0 (0 = unlimited attention), got {self.window}")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             raise ValueError("model.norm_eps, model.rope_theta and model.init_std must be positive")
 
@@ -64,6 +67,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: BaselineConfig, depth: int, bias: bool = False):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.window = cfg.window or None
         self.qkv = ColumnLinear(cfg.d_model, 3 * cfg.d_model, bias, init_std=cfg.init_std, stacked=3)  # q | k | v
         # the output projection's init scales with the effective depth (block applications per token)
         self.proj = RowLinear(cfg.d_model, cfg.d_model, bias, init_std=cfg.init_std / math.sqrt(2 * depth))
@@ -72,13 +76,12 @@ class Attention(nn.Module):
         # Shapes come from the projection's output: under tensor/sequence parallelism it holds this
         # rank's heads and the whole sequence while x may hold a slice of the sequence.
         q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
-        T = q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            y = attention(q, k, v, doc_ids)
+            y = attention(q, k, v, doc_ids, window=self.window)
         else:  # streaming: attend to everything cached plus, causally, the new tokens
-            keys, values, start = cache.extend(layer, k, v)
-            y = cached_attention(q, keys, values, start)
+            keys, values, start = cache.extend(layer, k, v)  # a windowed cache may hold only the last keys
+            y = cached_attention(q, keys, values, start, window=self.window)
         return self.proj(y.transpose(1, 2).flatten(2))
 
 
@@ -121,11 +124,13 @@ def flops_per_token(cfg: BaselineConfig, seq_len: int, ctx=None, depth: int | No
     """Training FLOPs per token (FLOPS_FORMULA); `depth` block applications (default n_layers)."""
     d, L = cfg.d_model, cfg.n_layers if depth is None else depth
     matmul_params = L * (4 * d * d + 3 * d * cfg.ffn) + cfg.vocab_size * d
-    return 6.0 * matmul_params + 12.0 * L * d * seq_len
+    span = min(seq_len, cfg.window) if cfg.window else seq_len  # keys a query attends to, at most
+    return 6.0 * matmul_params + 12.0 * L * d * span
 
 
 FLOPS_FORMULA = ("6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T: forward x 3 (forward plus backward), 2 FLOPs "
-                 "per multiply-add, the output head included, attention scores and values at full length T "
+                 "per multiply-add, the output head included, attention scores and values at full length T, "
+                 "or at the window when model.window < T "
                  "(L block applications, width d, FFN width f, vocabulary V)")
 
 

@@ -56,7 +56,6 @@ class CRTConfig(baseline.BaselineConfig):
     prefill_chunk: int = 8  # decode: prompt tokens run in parallel at once (exactly: one pass per token)
     dropout: float = 0.0  # after attention, FFN and correction outputs, a fresh mask in every pass
     corr_out_init: str = "normal"  # the correction's output layer: normal (N(0, std / sqrt(2D))) | zero
-    window: int = 0  # sliding attention window in keys including self (0: full causal)
 
     @property
     def ffn(self) -> int:
@@ -86,8 +85,8 @@ class CRTConfig(baseline.BaselineConfig):
         if self.dropout and self.block == "llama":
             raise ValueError("model.dropout is placed by the paper block; the llama block (the baseline's) has "
                              "none, so use model.dropout=0 with model.block=llama")
-        if not 0 <= self.dropout < 1 or self.window < 0 or self.prefill_chunk < 1 or self.bptt_memory_gb <= 0:
-            raise ValueError("model.dropout must be in [0, 1), model.window >= 0, model.prefill_chunk >= 1 and "
+        if not 0 <= self.dropout < 1 or self.prefill_chunk < 1 or self.bptt_memory_gb <= 0:
+            raise ValueError("model.dropout must be in [0, 1), model.prefill_chunk >= 1 and "
                              "model.bptt_memory_gb > 0")
 
     def validate_run(self, run) -> None:
