@@ -433,6 +433,9 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
         raise CheckpointError(f"checkpoint {path} holds model.arch {arch!r}, the config asks for {expect_arch!r}")
     saved = md.state_dict_metadata
     target = as_state(model, optimizer)
+    if isinstance(target, SavedModel):  # no model to shape the tensors: take them as they were saved
+        target.template = {k.removeprefix("model."): torch.empty(e.size, dtype=e.properties.dtype)
+                           for k, e in saved.items() if k.startswith("model.") and isinstance(e, TensorStorageMetadata)}
     state = {"model": target.model_template()}
     _check(path, saved, state)  # before the optimizer's lazy state gets created below
     has_optim = any(k.startswith("optim.") for k in saved)
@@ -461,6 +464,27 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     if restore_rng:
         _set_rng_state(state["rng"], target)
     return meta
+
+
+class SavedModel:
+    """A checkpoint view without a model: load_checkpoint/load_latest put the saved model tensors, full
+    and keyed by the single-device model's names, into `state` (for a conversion into another
+    architecture, which has no model of the source's to load into)."""
+
+    has_optimizer = False
+
+    def __init__(self):
+        self.template: dict = {}
+        self.state: dict = {}
+
+    def get_state(self) -> tuple[dict, None]:
+        return self.state, None
+
+    def model_template(self) -> dict:
+        return self.template
+
+    def set_state(self, model_sd: dict, optim_state=None, groups=None) -> None:
+        self.state = model_sd
 
 
 def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, expect_arch: str | None = None,
