@@ -415,6 +415,7 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     saying so). The model is checked before it is modified, but a failure inside DCP's read itself
     may leave it partly loaded (in place): a CheckpointError is never something to continue past.
     Gradients are dropped when the optimizer is loaded (they belong to the old weights).
+    `model` may be a SavedModel, which receives the saved model tensors as they are.
     """
     meta = read_meta(path)
     try:
