@@ -188,6 +188,11 @@ def _problem(path: str) -> str | None:
     return None
 
 
+def incomplete(path: str) -> str | None:
+    """Why checkpoint directory `path` is incomplete or truncated (cheap: checksums are not read), or None."""
+    return _problem(path)
+
+
 def _step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, name) of every final-named checkpoint directory, complete or not, ascending."""
     names = os.listdir(root) if os.path.isdir(root) else []

@@ -47,7 +47,7 @@ def applies(cfg) -> bool:
 def resolve(cfg) -> Source:
     """The source checkpoint.init_from names and its stored config; ConfigError (one sentence naming
     it) when it is missing, not a checkpoint, unreadable, or of an unknown architecture."""
-    from pretrain.checkpoint import CheckpointError, latest_checkpoint, read_meta
+    from pretrain.checkpoint import CheckpointError, incomplete, latest_checkpoint, read_meta
     from pretrain.config import ConfigError, config_from_dict
     from pretrain.models import get_arch
 
@@ -59,6 +59,8 @@ def resolve(cfg) -> Source:
         what = "does not exist" if not os.path.exists(given) else \
             "is neither a checkpoint directory nor a run directory with a complete checkpoint"
         raise ConfigError(f"{name} {what}")
+    if not is_run and (why := incomplete(path)) is not None:
+        raise ConfigError(f"{name} cannot be used: checkpoint {path} {why}")
     try:
         stored = read_meta(path).get("config")
         if not isinstance(stored, dict) or not isinstance(stored.get("model"), dict):
@@ -149,4 +151,5 @@ def load_initial_weights(cfg, engine, log=print) -> str:
         del template, saved
         view.set_state(state)
         how = f", converted from model.arch {source.arch!r} to {cfg.model.arch!r} by the registry's convert"
-    return f"initial weights from {os.path.abspath(path)} (checkpoint.init_from{how}); optimizer, step and data order start fresh"
+    return (f"initial weights from {os.path.abspath(path)} (checkpoint.init_from{how}); optimizer, step and data "
+            "order start fresh")

@@ -1,7 +1,8 @@
 """checkpoint.init_from (pretrain/init_from.py): a new run starts from another run's weights, as they
 are or converted through the registry's `convert`, with a fresh optimizer, step and data order;
 what cannot be loaded is refused in validate() in one sentence; a run with its own checkpoint
-resumes it; a TP2 layout starts from the weights one process does; the path is relocatable."""
+resumes it; TP2 and ZeRO-3 start from the weights one process does; the path is relocatable."""
+import importlib.util
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -18,7 +19,7 @@ from pretrain.models import baseline
 from pretrain.models.base import EVAL
 from pretrain.models.registry import ArchSpec, register
 from pretrain.trainer import Trainer
-from trainer_helpers import step_losses, tiny_overrides, write_markov_corpus
+from trainer_helpers import partition_everything_under_zero3, step_losses, tiny_overrides, write_markov_corpus
 
 
 # -- a test-only architecture with a conversion from baseline ---------------------------------------
@@ -148,6 +149,9 @@ def test_what_cannot_be_loaded_is_refused_in_validate(tmp_path, corpus, source):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "meta.json").write_text("{not json")
+    truncated = shutil.copytree(f"{src_run}/checkpoints/step_00000004", tmp_path / "truncated")
+    with open(truncated / "__0_0.distcp", "r+b") as f:
+        f.truncate(100)
     cases = [
         ({"model.d_model": 48}, src_run, f"checkpoint.init_from '{src_run}': the source has embed.weight of shape "
                                          "(64, 32), this run's model has (64, 48)"),
@@ -158,6 +162,8 @@ def test_what_cannot_be_loaded_is_refused_in_validate(tmp_path, corpus, source):
         ({}, f"{tmp_path}/nowhere", f"checkpoint.init_from '{tmp_path}/nowhere' does not exist"),
         ({}, str(tmp_path), "is neither a checkpoint directory nor a run directory with a complete checkpoint"),
         ({}, str(broken), f"checkpoint.init_from '{broken}' cannot be used: checkpoint {broken} has an unreadable"),
+        ({}, str(truncated), f"checkpoint.init_from '{truncated}' cannot be used: checkpoint {truncated} is corrupt "
+                             "(data file __0_0.distcp is truncated"),
     ]
     for fields, given, words in cases:
         with pytest.raises(ConfigError) as e:
@@ -218,24 +224,34 @@ def test_init_from_is_relocated_with_the_run(tmp_path, source):
     assert lines == [f"checkpoint.init_from: {proj}/src is now found at {tmp_path}/moved/src"]
 
 
-def _tp2_body(rank, world_size, tmp, corpus, src_run):
+LAYOUTS = {"tp2": ["parallel.tp=2"]}
+if importlib.util.find_spec("deepspeed"):  # partitioned parameters: another way into the model
+    LAYOUTS["zero3"] = ["parallel.data_parallel=deepspeed", "parallel.zero_stage=3"]
+
+
+def _layouts_body(rank, world_size, tmp, corpus, src_run):
+    partition_everything_under_zero3()
     out = {}
-    for arch in ("baseline", "test_corrected"):
-        cfg = config(tmp, corpus, f"tp2-{arch}", 2, "parallel.tp=2", "train.compile=false",
-                     **{"model.arch": arch, "checkpoint.init_from": src_run})
-        trainer = Trainer(cfg, log=lambda *_: None)
-        trainer._resume()
-        out[arch] = {k: v.numpy() for k, v in weights(trainer).items()}
+    for layout, extra in LAYOUTS.items():
+        for arch in ("baseline", "test_corrected"):
+            cfg = config(tmp, corpus, f"{layout}-{arch}", 2, "train.compile=false", "train.micro_batch_seqs=4",
+                         *extra, **{"model.arch": arch, "checkpoint.init_from": src_run})
+            trainer = Trainer(cfg, log=lambda *_: None)
+            trainer._resume()
+            out[layout, arch] = {k: v.numpy() for k, v in weights(trainer).items()}
     return out
 
 
-def test_tp2_starts_from_the_weights_one_process_does(tmp_path, corpus, source):
+def test_tp2_and_zero3_start_from_the_weights_one_process_does(tmp_path, corpus, source):
     pytest.importorskip("megatron.core", reason="tensor parallelism needs megatron-core")
     src_run, src_weights, src_model = source
     target = CorrectedConfig(**{**asdict(src_model), "arch": "test_corrected"})
     expected = {"baseline": src_weights, "test_corrected": convert("baseline", src_model, src_weights, target)}
-    for ranks in run_ranks(_tp2_body, 2, args=(str(tmp_path), corpus, src_run), timeout=300):
-        for arch, want in expected.items():
-            assert sorted(ranks[arch]) == sorted(want), arch
-            for k, v in want.items():
-                np.testing.assert_array_equal(ranks[arch][k], v.numpy(), err_msg=f"{arch}: {k}")
+    results = run_ranks(_layouts_body, 2, args=(str(tmp_path), corpus, src_run), env={"DS_ACCELERATOR": "cpu"},
+                        timeout=600)
+    for ranks in results:
+        assert sorted(ranks) == sorted((layout, arch) for layout in LAYOUTS for arch in expected)
+        for (layout, arch), got in ranks.items():
+            assert sorted(got) == sorted(expected[arch]), (layout, arch)
+            for k, v in expected[arch].items():
+                np.testing.assert_array_equal(got[k], v.numpy(), err_msg=f"{layout} {arch}: {k}")
