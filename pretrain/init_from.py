@@ -101,8 +101,11 @@ def _state_for(source: Source, cfg, state: dict, shapes: dict) -> dict:
 
     name = f"checkpoint.init_from {source.given!r}"
     if source.convert is not None:
-        try:
-            state = source.convert(source.arch, source.model, state, cfg.model)
+        from parallel.mesh import single_device
+
+        try:  # single_device: a conversion may build a model of its own (for fresh initial values) unsplit
+            with single_device():
+                state = source.convert(source.arch, source.model, state, cfg.model)
         except ValueError as e:
             raise ConfigError(f"{name}: model.arch {source.arch!r} cannot be converted to {cfg.model.arch!r} "
                               f"({str(e).rstrip('.')})") from None
