@@ -10,6 +10,7 @@ the data-parallel group is the whole world, with no megatron import.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -40,6 +41,18 @@ _LAYOUT = Layout()
 
 def layout() -> Layout:
     return _LAYOUT
+
+
+@contextlib.contextmanager
+def single_device():
+    """Build models as one process would, whatever layout this process has set up (the parallel.layers
+    facades read the layout when a layer is built): for shape checks on the meta device."""
+    global _LAYOUT
+    saved, _LAYOUT = _LAYOUT, Layout()
+    try:
+        yield
+    finally:
+        _LAYOUT = saved
 
 
 def uses_megatron(parallel) -> bool:

@@ -52,6 +52,26 @@ class LocalState:
             set_optimizer_state_dict(self.model, self.optimizer, {"state": optim_state, "param_groups": groups})
 
 
+class WeightsOnly:
+    """The model half of another view (an engine's): a checkpoint loads only the weights through it,
+    by the inner view's own path (TP re-split, ZeRO partitions, megatron's fp32 copies), and the
+    optimizer is left as it is (a new run's: fresh)."""
+
+    has_optimizer = False
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def get_state(self) -> tuple[dict, None]:
+        return self.inner.get_state()[0], None
+
+    def model_template(self) -> dict:
+        return self.inner.model_template()
+
+    def set_state(self, model_sd: dict, optim_state: dict | None = None, groups: list | None = None) -> None:
+        self.inner.set_state(model_sd, {}, None)  # groups None: the optimizer is not touched
+
+
 def as_state(model, optimizer=None):
     """`model` itself when it is already a checkpoint view (an engine's), else LocalState."""
     if hasattr(model, "get_state") and hasattr(model, "model_template"):

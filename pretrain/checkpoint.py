@@ -188,6 +188,11 @@ def _problem(path: str) -> str | None:
     return None
 
 
+def incomplete(path: str) -> str | None:
+    """Why checkpoint directory `path` is incomplete or truncated (cheap: checksums are not read), or None."""
+    return _problem(path)
+
+
 def _step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, name) of every final-named checkpoint directory, complete or not, ascending."""
     names = os.listdir(root) if os.path.isdir(root) else []
@@ -415,6 +420,7 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     saying so). The model is checked before it is modified, but a failure inside DCP's read itself
     may leave it partly loaded (in place): a CheckpointError is never something to continue past.
     Gradients are dropped when the optimizer is loaded (they belong to the old weights).
+    `model` may be a SavedModel, which receives the saved model tensors as they are.
     """
     meta = read_meta(path)
     try:
@@ -433,6 +439,9 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
         raise CheckpointError(f"checkpoint {path} holds model.arch {arch!r}, the config asks for {expect_arch!r}")
     saved = md.state_dict_metadata
     target = as_state(model, optimizer)
+    if isinstance(target, SavedModel):  # no model to shape the tensors: take them as they were saved
+        target.template = {k.removeprefix("model."): torch.empty(e.size, dtype=e.properties.dtype)
+                           for k, e in saved.items() if k.startswith("model.") and isinstance(e, TensorStorageMetadata)}
     state = {"model": target.model_template()}
     _check(path, saved, state)  # before the optimizer's lazy state gets created below
     has_optim = any(k.startswith("optim.") for k in saved)
@@ -461,6 +470,27 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     if restore_rng:
         _set_rng_state(state["rng"], target)
     return meta
+
+
+class SavedModel:
+    """A checkpoint view without a model: load_checkpoint/load_latest put the saved model tensors, full
+    and keyed by the single-device model's names, into `state` (for a conversion into another
+    architecture, which has no model of the source's to load into)."""
+
+    has_optimizer = False
+
+    def __init__(self):
+        self.template: dict = {}
+        self.state: dict = {}
+
+    def get_state(self) -> tuple[dict, None]:
+        return self.state, None
+
+    def model_template(self) -> dict:
+        return self.template
+
+    def set_state(self, model_sd: dict, optim_state=None, groups=None) -> None:
+        self.state = model_sd
 
 
 def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, expect_arch: str | None = None,

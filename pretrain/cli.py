@@ -29,6 +29,7 @@ _TRAIN_HELP = """examples:
   pretrain train configs/baseline/tiny.yaml optim.lr=1e-3 train.max_steps=500
   pretrain train baseline/xs data.train=[data/web_text_document] train.name=xs-web
   pretrain train runs/xs-web train.max_steps=20000               # resume a run directory, from anywhere
+  pretrain train baseline/xs checkpoint.init_from=runs/xs-web train.name=xs-ft optim.lr=1e-4   # fine-tune
 
 Overrides are dotted `section.key=value` (sections: model, parallel, data, optim, schedule, train,
 checkpoint, log); an unknown key or a wrong type is an error. The run directory (train.run_dir,
@@ -36,6 +37,12 @@ default runs/<train.name>) receives config.yaml, metrics.jsonl, the tokenizer an
 run started again with the same run directory resumes from its latest checkpoint
 (checkpoint.resume=false starts over). Given a run directory as CONFIG, its stored config is used
 and the run resumes where it is, even after being moved.
+
+checkpoint.init_from=PATH (a run directory: its latest verified checkpoint; or a checkpoint
+directory) starts a run that has no checkpoint of its own from those model weights, with a fresh
+optimizer, step 0 and a fresh data order. Another model.arch is converted by the run's architecture
+(its registry `convert`; without one it is refused). Shapes and the conversion are checked before
+any work; once the run has its own checkpoint, it resumes that and init_from is not read.
 
 """ + _RUN_PATHS
 

@@ -192,6 +192,10 @@ class CheckpointConfig:
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
     grace_s: float = 60.0  # a stop signal's checkpoint must be written within this (launchers wait longer)
     verify: bool = True  # record checksums at save, verify them at load (false: skip both, for very large runs)
+    # A run directory (its latest verified checkpoint) or a checkpoint directory whose model weights a
+    # run without a checkpoint of its own starts from (fresh optimizer, step 0); another model.arch is
+    # converted by this one's registry `convert`. "" = none. (pretrain/init_from.py)
+    init_from: str = ""
 
     def validate(self) -> None:
         if not 0 < self.grace_s < 86400:
@@ -225,6 +229,8 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self, check_data: bool = True) -> "RunConfig":
+        """Refuse an impossible setting in one sentence naming the field; `check_data` also checks what
+        training reads (the datasets, the tokenizer, checkpoint.init_from and its weights' shapes)."""
         from pretrain.models import get_arch
 
         self.model.validate()
@@ -256,6 +262,10 @@ class RunConfig:
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len {self.data.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")
         self.model.validate_run(self)  # the architecture's checks that need the rest of the run
+        if check_data:  # the weights a new run starts from are read like its data: checked here, before any work
+            from pretrain import init_from
+
+            init_from.check(self)
         return self
 
     def to_dict(self) -> dict:

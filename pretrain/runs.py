@@ -2,8 +2,8 @@
 
 The rule (README, "Runs can move"):
 1. When training starts, every path of the config (data.train, data.valid, data.tokenizer,
-   data.cache_dir, train.run_dir) is made absolute, so the stored config.yaml and each checkpoint's
-   config work from any working directory.
+   data.cache_dir, train.run_dir, checkpoint.init_from) is made absolute, so the stored config.yaml
+   and each checkpoint's config work from any working directory.
 2. Reading a run back (`pretrain train RUN_DIR`, `eval`, `generate`, later `export`), a stored path
    that no longer exists is looked up at the same place relative to the run directory: a run moved
    together with its data (e.g. a whole project folder copied elsewhere) still works. Runs from
@@ -35,6 +35,8 @@ def make_absolute(cfg) -> None:
     if d.cache_dir:
         d.cache_dir = os.path.abspath(d.cache_dir)
     cfg.train.run_dir = os.path.abspath(cfg.train.run_dir)
+    if cfg.checkpoint.init_from:
+        cfg.checkpoint.init_from = os.path.abspath(cfg.checkpoint.init_from)
 
 
 def _started_in(stored_run_dir: str, run_dir: str) -> str | None:
@@ -53,7 +55,7 @@ def relocate(cfg, run_dir: str, log=print) -> None:
     here = os.path.abspath(run_dir)
     started_in = None if os.path.isabs(stored) else _started_in(stored, here)
 
-    def find(field: str, path: str) -> str:
+    def find(field: str, path: str, section: str = "data") -> str:
         if not path or (os.path.isabs(path) and _exists(field, path)):
             return path
         if not os.path.isabs(path):
@@ -63,7 +65,7 @@ def relocate(cfg, run_dir: str, log=print) -> None:
         for c in map(os.path.normpath, candidates):
             if _exists(field, c):
                 if c != os.path.abspath(path):
-                    log(f"data.{field}: {path} is now found at {c}")
+                    log(f"{section}.{field}: {path} is now found at {c}")
                 return c
         return path
 
@@ -75,6 +77,8 @@ def relocate(cfg, run_dir: str, log=print) -> None:
     copy = os.path.join(here, "tokenizer", os.path.basename(d.tokenizer))
     if d.tokenizer and not os.path.isfile(d.tokenizer) and os.path.isfile(copy):
         d.tokenizer = copy  # rule 3: silent, it is the run's own copy of the very file
+    # the weights the run started from (read again only while the run has no checkpoint of its own)
+    cfg.checkpoint.init_from = find("init_from", cfg.checkpoint.init_from, "checkpoint")
     cfg.train.run_dir = here
 
 

@@ -30,6 +30,7 @@ from pretrain.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_vocab, train_dataset, valid_dataset
+from pretrain.init_from import load_initial_weights
 from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch
@@ -154,17 +155,25 @@ class Trainer:
                 shutil.copy2(self.cfg.data.tokenizer, dest)
 
     def _resume(self) -> None:
-        if not self.cfg.checkpoint.resume:  # starting over would delete that run's checkpoints
+        """Continue the run's own latest checkpoint; without one, start from checkpoint.init_from's
+        weights when it names some."""
+        c = self.cfg.checkpoint
+        if not c.resume:  # starting over would delete that run's checkpoints
             if (path := latest_checkpoint(self.run_dir, log=self.log)) is not None:
                 raise ValueError(f"{self.run_dir} already holds checkpoints ({os.path.basename(path)}) and "
                                  "checkpoint.resume=false; choose another train.name or train.run_dir, or delete it")
-            return
-        path, meta = load_latest(self.run_dir, self.engine, restore_rng=True, expect_arch=self.cfg.model.arch,
-                                 verify=self.cfg.checkpoint.verify, log=self.log)
+            path = None
+        else:
+            path, meta = load_latest(self.run_dir, self.engine, restore_rng=True, expect_arch=self.cfg.model.arch,
+                                     verify=c.verify, log=self.log)
         if path is None:
+            if c.init_from:
+                self.log(load_initial_weights(self.cfg, self.engine, log=self.log))
             return
         self.step, self.consumed = int(meta["step"]), int(meta["consumed_samples"])
-        self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed")
+        self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed" +
+                 (f" (checkpoint.init_from {c.init_from} is not read: the run has its own checkpoint)"
+                  if c.init_from else ""))
 
     def _loader(self):
         t, data = self.cfg.train, self.cfg.data

@@ -87,6 +87,14 @@ class ArchSpec:
     # pass, or a whole pass keeping only its input).
     recompute_units: Callable[[Any], list] | dict[str, Callable[[Any], list]] | None = None
     export_adapter: Any | None = None
+    # Starting a run from another architecture's weights (checkpoint.init_from):
+    # convert(source_arch, source_cfg, source_state, target_cfg) -> this architecture's full,
+    # single-device state dict (every name its model's state_dict has, tied weights under each name).
+    # Raises ValueError, one sentence, for a source it cannot convert (another width, depth or
+    # vocabulary; an unknown source architecture). validate() calls it on meta tensors to check the
+    # shapes before any work, so it must only use tensor operations (make new tensors with
+    # zeros_like/new_zeros of a source tensor, never read values). None: same-architecture loading only.
+    convert: Callable[[str, Any, dict, Any], dict] | None = None
 
     def recompute_policies(self) -> dict[str, Callable[[Any], list]]:
         """Every policy by name, "full" included (the first named one, or the bare function)."""
