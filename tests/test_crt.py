@@ -60,7 +60,11 @@ def test_streaming_equals_parallel_at_T_plus_1_and_the_first_K_minus_1_positions
     model, tokens = model_of(**variant), tokens_of(T=9)
     seq = streamed(model, tokens)
     torch.testing.assert_close(parallel(model, tokens, 10), seq, rtol=0, atol=1e-10)  # K = T + 1
-    torch.testing.assert_close(parallel(model, tokens, -1), seq, rtol=0, atol=1e-10)  # eval_k=-1 means T + 1
+    torch.testing.assert_close(parallel(model, tokens, -1), seq, rtol=0, atol=1e-10)  # eval_k=-1: exact
+    model.cfg.eval_k = -1
+    with torch.no_grad():
+        z, _ = model.passes(tokens, torch.arange(9).expand_as(tokens), None, 10)
+    torch.testing.assert_close(model.logits(tokens), model.head.logits(model.norm(z)), rtol=0, atol=1e-10)
     for K in (2, 3, 5):
         err = (parallel(model, tokens, K) - seq).abs().amax(dim=(0, 2))
         assert err[:K - 1].max() < 1e-10, (K, err)  # positions t <= K-2 are exact ...
@@ -314,3 +318,33 @@ def test_a_short_training_run_logs_K_and_the_contraction_and_its_loss_falls(tmp_
     evals = [r for r in records if "val_loss" in r]
     assert evals and all(0 < r["val_lhat_median"] <= r["val_lhat_max"] for r in evals)
     assert sum(r["loss"] for r in steps[-5:]) < sum(r["loss"] for r in steps[:5])
+
+
+def test_a_trained_baseline_run_converts_into_a_llama_block_crt_run(tmp_path):
+    """checkpoint.init_from with the registry's convert: the CRT run's first loss (at its drawn K >= 2)
+    equals the baseline's own on the same batch, since the correction starts at exactly zero."""
+    from pretrain.trainer import Trainer
+    from trainer_helpers import write_markov_corpus
+
+    import test_registry
+
+    corpus = write_markov_corpus(tmp_path / "markov")
+
+    def run(config, name, steps, *extra):
+        over = test_registry.run_overrides(tmp_path, corpus, **{"train.max_steps": steps, "schedule.warmup_steps": 1,
+                                                                 "train.run_dir": f"{tmp_path}/{name}"})
+        Trainer(load_config(config, over + list(extra)), log=lambda *_: None).fit()
+        return [r["loss"] for r in read_metrics(str(tmp_path / name)) if "loss" in r]
+
+    from pretrain.metrics import read_metrics
+
+    dims = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4"]
+    run("baseline/tiny", "source", 6, *dims)
+    again = run("baseline/tiny", "again", 2, *dims, f"checkpoint.init_from={tmp_path}/source")
+    llama = ["model.block=llama", "model.tie_embeddings=true", "model.norm_eps=1e-6", "model.k_min=2"]
+    crt = run("crt/tiny", "crt", 2, *dims, *llama, f"checkpoint.init_from={tmp_path}/source")
+    assert crt[0] == pytest.approx(again[0], rel=1e-6)
+    with pytest.raises((ConfigError, ValueError), match="model.d_model=64 into a CRT with model.d_model=32"):
+        load_config("crt/tiny", test_registry.run_overrides(tmp_path, corpus, **{"train.run_dir": f"{tmp_path}/x"})
+                    + ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", *llama,
+                       f"checkpoint.init_from={tmp_path}/source"])

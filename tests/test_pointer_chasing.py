@@ -258,7 +258,7 @@ def run_cli(cwd, *args):
 
 
 def test_tiny_run_trains_and_eval_reports_per_level_accuracy(tmp_path):
-    train = run_cli(tmp_path, "train", "pointer_chasing/tiny", "train.max_steps=60", "train.eval_every=30", *TINY)
+    train = run_cli(tmp_path, "train", "pointer_chasing/tiny", "train.max_steps=90", "train.eval_every=45", *TINY)
     assert train.returncode == 0, train.stderr
     run = tmp_path / "runs" / "pc-tiny"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
