@@ -145,12 +145,22 @@ def _info(args) -> int:
     out = {"params_total": counts["total"], "params_embedding": counts["embedding"],
            "params_non_embedding": counts["non_embedding"], "flops_per_token": flops,
            "flops_formula": spec.flops_formula}
+    formula = spec.formula_params(cfg.model) if spec.formula_params else None
+    if formula is not None:
+        out["params_paper_formula"] = formula
     if args.json:
         print(json.dumps(out))
     else:
+        by_formula = (f"; {formula:,} by the paper's formula ({counts['total'] / formula - 1:+.2%} here: it leaves "
+                      "out biases and norms)") if formula is not None else ""
         print(f"{cfg.model.arch}: {counts['total']:,} parameters ({counts['embedding']:,} embedding, "
-              f"{counts['non_embedding']:,} non-embedding); {flops / 1e9:,.3f} GFLOP per training token "
-              f"at T={cfg.data.seq_len}; {flops * cfg.tokens_per_step / 1e12:,.1f} TFLOP per step")
+              f"{counts['non_embedding']:,} non-embedding){by_formula}; {flops / 1e9:,.3f} GFLOP per training "
+              f"token at T={cfg.data.seq_len}; {flops * cfg.tokens_per_step / 1e12:,.1f} TFLOP per step")
+        if cfg.model.paper_params:
+            print(f"the paper gives {cfg.model.paper_params:,} for this configuration")
+        policies = spec.recompute_policies()
+        if policies:
+            print(f"activation recompute (parallel.recompute): none, {', '.join(policies)}")
         print(f"FLOPs per token = {spec.flops_formula}")
     return 0
 

@@ -442,6 +442,7 @@ SPEC = register(ArchSpec(
     build=CRT,
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
+    formula_params=paper_formula_params,
     new_state=decoder.new_state,
     step=decoder.step,
     logits=decoder.logits,

@@ -73,6 +73,9 @@ class ArchSpec:
     step: Callable[[Any, Any, Any], tuple[Any, Any]]  # (model, tokens [B, n], state) -> (logits, state)
     logits: Callable[[Any, Any], Any]  # (model, tokens [B, T]) -> full-sequence logits [B, T, V], float32
     flops_formula: str = ""  # flops_per_token in words and symbols, printed by `pretrain info`
+    # The parameter count by the paper's own formula where it counts differently from the model (CRT's
+    # §3.1 counts matmul weights and the head, not biases and norms); `pretrain info` shows both.
+    formula_params: Callable[[Any], int] | None = None
     decode: DecodeRelation = DecodeRelation()
     progress: tuple[str, ...] = ()  # diagnostics shown on the progress line (all go to metrics.jsonl)
     supports: Support = Support()
