@@ -312,9 +312,9 @@ def test_a_short_training_run_logs_K_and_the_contraction_and_its_loss_falls(tmp_
     records = read_metrics(str(tmp_path / "run"))
     steps = [r for r in records if "loss" in r]
     # the logged K is the step's draw, the same one every rank and a resumed run make
-    assert [r["k"] for r in steps] == [num_passes(cfg.model, StepContext.for_step(cfg.train.seed, r["step"] - 1), 32)
-                                       for r in steps]
-    assert {r["k"] for r in steps} == {1, 2, 3, 4}
+    assert [r["k"] for r in steps] == pytest.approx([num_passes(cfg.model, StepContext.for_step(cfg.train.seed, r["step"] - 1), 32)
+                                                      for r in steps], rel=1e-6)  # a token-weighted mean of K
+    assert {round(r["k"]) for r in steps} == {1, 2, 3, 4}
     evals = [r for r in records if "val_loss" in r]
     assert evals and all(0 < r["val_lhat_median"] <= r["val_lhat_max"] for r in evals)
     assert sum(r["loss"] for r in steps[-5:]) < sum(r["loss"] for r in steps[:5])
@@ -348,3 +348,38 @@ def test_a_trained_baseline_run_converts_into_a_llama_block_crt_run(tmp_path):
         load_config("crt/tiny", test_registry.run_overrides(tmp_path, corpus, **{"train.run_dir": f"{tmp_path}/x"})
                     + ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", *llama,
                        f"checkpoint.init_from={tmp_path}/source"])
+
+
+def _layout_body(rank, world_size, tmp, corpus, extra):
+    from trainer_helpers import train_run
+
+    return train_run(tmp, corpus, "layout", 3, ["train.compile=false"] + extra,
+                     arch_config="crt/tiny")[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, layout", [
+    ("pass", ["parallel.data_parallel=deepspeed", "parallel.zero_stage=2"]),
+    ("block", ["parallel.data_parallel=deepspeed", "parallel.zero_stage=3"]),
+    ("pass", ["parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"]),
+    ("block", ["parallel.tp=2", "parallel.sp=true"]),
+])
+def test_recompute_policies_under_parallel_layouts_equal_one_process(policy, layout, tmp_path):
+    """The shared blocks run K times and are recomputed K times: gradients are still reduced once
+    (non-reentrant checkpointing); every layout equals one process without
+    recompute."""
+    import numpy as np
+
+    from distributed import run_ranks
+    from trainer_helpers import step_losses, train_run, write_markov_corpus
+
+    pytest.importorskip("megatron.core", reason="these layouts need megatron-core")
+    corpus = write_markov_corpus(tmp_path / "markov")
+    tmp = str(tmp_path)
+    _, single = train_run(tmp, corpus, "single", 3, ["train.compile=false"], arch_config="crt/tiny")
+    extra = layout + [f"parallel.recompute={policy}"]
+    params = run_ranks(_layout_body, 2, args=(tmp, corpus, extra), env={"DS_ACCELERATOR": "cpu"}, timeout=600)[0]
+    got, want = step_losses(f"{tmp}/layout"), step_losses(f"{tmp}/single")
+    assert sorted(got) == [1, 2, 3] and got == pytest.approx(want, rel=1e-5)
+    for k in single:
+        np.testing.assert_allclose(params[k], single[k], rtol=0, atol=2e-5, err_msg=k)

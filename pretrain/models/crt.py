@@ -265,6 +265,7 @@ class CRT(Decoder):
                 and not torch.is_grad_enabled())
 
     # -- the recurrence itself: BPTT training and streaming decode -----------------------------------
+    @torch.compiler.disable  # T single-token steps would unroll into one huge graph; they run eager
     def recurrence(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Block outputs [B, T, C] computed token by token, differentiably (BPTT: exact gradients of
         the streaming model, spec §2.4); everything that does not depend on the state is hoisted."""
