@@ -123,27 +123,46 @@ class LayerNorm(nn.Module):
         return y.to(x.dtype)
 
 
+def _sequence_split():
+    lay = layout()
+    return lay if lay.megatron_layers and lay.sp and lay.tp > 1 else None
+
+
+def gather_sequence(x: Tensor) -> Tensor:
+    """The whole sequence [B, T, ...] of activations that sequence parallelism holds as this rank's
+    slice [B, T / tp, ...] (identity otherwise). Differentiable: the backward reduce-scatters, so a
+    caller that uses only part of the result gets each rank's share of the gradient summed."""
+    lay = _sequence_split()
+    if lay is None:
+        return x
+    from megatron.core.tensor_parallel import mappings
+
+    return mappings.gather_from_sequence_parallel_region(x.transpose(0, 1), group=lay.tp_group).transpose(0, 1)
+
+
+def local_sequence(x: Tensor) -> Tensor:
+    """This rank's slice [B, T / tp, ...] of a whole-sequence tensor under sequence parallelism
+    (identity otherwise): a plain slice, no communication."""
+    lay = _sequence_split()
+    if lay is None:
+        return x
+    n = x.shape[1] // lay.tp
+    return x[:, lay.tp_rank * n:(lay.tp_rank + 1) * n]
+
+
 def shift_right(x: Tensor, reset: Tensor | None = None) -> Tensor:
     """y[:, t] = x[:, t - 1] along the sequence, zero at t = 0 and where `reset` [B, T] (the whole
     sequence) is True: a recurrence's "previous position" (CRT's z_{t-1}).
 
     Under sequence parallelism x is this rank's slice [B, T / tp, d] and the first position of each
-    slice needs the last of the previous rank's: the slices are all-gathered, shifted, and this rank's
-    part taken back (the gather's backward reduce-scatters, summing each rank's share of the grads).
+    slice needs the last of the previous rank's: the slices are gathered, shifted, and this rank's
+    part taken back. (A one-token halo exchange would move less; the gather reuses megatron's
+    differentiable collective.)
     """
-    lay = layout()
-    split = lay.megatron_layers and lay.sp and lay.tp > 1
-    if split:
-        from megatron.core.tensor_parallel import mappings
-
-        local = x.shape[1]
-        x = mappings.gather_from_sequence_parallel_region(x.transpose(0, 1), group=lay.tp_group).transpose(0, 1)
-    y = F.pad(x, (0, 0, 1, 0))[:, :-1]
+    y = F.pad(gather_sequence(x), (0, 0, 1, 0))[:, :-1]
     if reset is not None:
         y = y.masked_fill(reset[..., None], 0.0)
-    if split:
-        y = y[:, lay.tp_rank * local:(lay.tp_rank + 1) * local]
-    return y
+    return local_sequence(y)
 
 
 def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:

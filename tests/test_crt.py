@@ -138,6 +138,10 @@ def test_conversion_refuses_another_width_depth_vocabulary_or_block():
             convert("crt", scfg, state, cfg_of(**change))
     with pytest.raises(ValueError, match="converts from a baseline or crt run"):
         convert("sps", scfg, state, cfg_of())
+    with pytest.raises(ValueError, match="model.pre_ffn=False into a CRT with model.pre_ffn=True"):
+        convert("crt", scfg, state, cfg_of(pre_ffn=True))
+    with pytest.raises(ValueError, match="model.correction=block_head would not start from the source's function"):
+        convert("crt", scfg, state, cfg_of(correction="block_head"))
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -225,6 +229,9 @@ def test_flops_follow_K():
     for K in (3, 4, 5):
         assert f[K] - f[K - 1] == pytest.approx(block + corr)
     assert flops_per_token(cfg, 32) == pytest.approx(sum(f.values()) / 4)  # the expectation over U{2..5}
+    # absolute, spec §5: forward MACs K D (12 C^2 + 2 T C) + (K-1) 8C^2 + V C, times 2 FLOPs and 3 (with backward)
+    C, D, T = 64, 2, 32
+    assert f[5] == pytest.approx(6 * (5 * D * 12 * C * C + 4 * 8 * C * C + V * C) + 12 * 5 * D * C * T)
     bptt = flops_per_token(cfg_of(k_max=5, k_min=2, d_model=64, train_mode="bptt"), 32, ctxs[5])
     assert bptt == pytest.approx(f[2] - block)  # one pass of the blocks and one correction per token
 
@@ -246,7 +253,17 @@ def test_contraction_diagnostic_at_evaluation():
     by_hand = model(Batch(*(x[:1] for x in (batch.tokens, batch.labels, batch.loss_mask, batch.doc_ids,
                                             batch.positions))), EVAL)[1]
     assert by_hand["lhat_max"].item() == pytest.approx(ratio.max().item())
+    assert by_hand["lhat_median"].item() == pytest.approx(ratio.median().item())  # over t >= 3 only
     assert 0 < diag["lhat_median"] <= diag["lhat_max"] < float("inf")
+    # with two documents per sample, positions within K-2 of the second start are left out too
+    docs = torch.tensor([[0] * 8 + [1] * 8]).expand(B, T).int()
+    from pretrain.models.crt import contraction
+
+    got = contraction(c, 4, docs)
+    ratio = (c[2] - c[1])[0].norm(dim=-1) / (c[1] - c[0])[0].norm(dim=-1)
+    keep = torch.tensor([t % 8 >= 3 for t in range(16)])
+    assert contraction([x[:1] for x in c], 4, docs[:1])["lhat_median"].item() == pytest.approx(ratio[keep].median().item())
+    assert got["lhat_max"] <= diag["lhat_max"] + 1e-12
     assert (c[1] - c[0])[:, :2].abs().max() < 1e-12  # positions t <= K-3 have converged exactly: 0/0
 
 
@@ -283,7 +300,9 @@ def test_bad_input_is_refused_in_validate_with_one_sentence():
              (["model.train_mode=bptt", "data.seq_len=256", "train.micro_batch_seqs=16", "model.d_model=2048",
                "model.n_heads=16"], "would keep about"),
              (["model.train_mode=bptt", "parallel.recompute=pass"], "cannot recompute BPTT"),
-             (["model.train_mode=bptt", "model.document_mask=true"], "does not support model.document_mask")]
+             (["model.train_mode=bptt", "model.document_mask=true"], "model.eval_k=-1 evaluates by the recurrence"),
+             (["model.train_mode=bptt", "model.dropout=0.1"], "model.train_mode=bptt runs without dropout"),
+             (["model.eval_k=-1", "parallel.tp=2", "parallel.sp=true"], "which parallel.sp=true does not allow")]
     for overrides, message in cases:
         with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace(".", r"\.")) as e:
             load_config("crt/tiny", overrides + ["data.train=[x]"], check_data=False)
@@ -359,6 +378,8 @@ def _layout_body(rank, world_size, tmp, corpus, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy, layout", [
+    ("none", ["model.k_max=2", "model.k_min=1"]),  # DDP: a K=1 step still gives the correction a gradient
+    ("none", ["model.k_max=2", "model.k_min=1", "parallel.data_parallel=deepspeed", "parallel.zero_stage=3"]),
     ("pass", ["parallel.data_parallel=deepspeed", "parallel.zero_stage=2"]),
     ("block", ["parallel.data_parallel=deepspeed", "parallel.zero_stage=3"]),
     ("pass", ["parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"]),
@@ -376,10 +397,24 @@ def test_recompute_policies_under_parallel_layouts_equal_one_process(policy, lay
     pytest.importorskip("megatron.core", reason="these layouts need megatron-core")
     corpus = write_markov_corpus(tmp_path / "markov")
     tmp = str(tmp_path)
-    _, single = train_run(tmp, corpus, "single", 3, ["train.compile=false"], arch_config="crt/tiny")
+    same_model = [o for o in layout if o.startswith("model.")]
+    _, single = train_run(tmp, corpus, "single", 3, ["train.compile=false"] + same_model, arch_config="crt/tiny")
     extra = layout + [f"parallel.recompute={policy}"]
     params = run_ranks(_layout_body, 2, args=(tmp, corpus, extra), env={"DS_ACCELERATOR": "cpu"}, timeout=600)[0]
     got, want = step_losses(f"{tmp}/layout"), step_losses(f"{tmp}/single")
     assert sorted(got) == [1, 2, 3] and got == pytest.approx(want, rel=1e-5)
     for k in single:
         np.testing.assert_allclose(params[k], single[k], rtol=0, atol=2e-5, err_msg=k)
+
+
+def test_compile_compiles_one_pass_so_every_K_shares_its_graphs():
+    torch._dynamo.reset()
+    model, tokens = model_of(k_max=6, k_min=1), tokens_of(T=12)
+    eager = {K: parallel(model, tokens, K) for K in range(1, 7)}
+    model.compile(backend="eager")
+    torch._dynamo.utils.counters.clear()
+    for K in range(1, 7):
+        torch.testing.assert_close(parallel(model, tokens, K), eager[K], rtol=0, atol=1e-12)
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < frames <= 4, frames  # the trunk and the correction, not a forward per K
+    torch._dynamo.reset()

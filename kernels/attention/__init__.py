@@ -68,15 +68,15 @@ def _record(name: str) -> None:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
-              window: int | None = None) -> Tensor:
+              window: int | None = None, dropout_p: float = 0.0) -> Tensor:
     """Causal attention [B, H, T, Dh] -> [B, H, T, Dh]; tokens attend within their document when
     doc_ids [B, T] is given, and to at most `window` keys (themselves included) when window is given;
-    scale defaults to 1/sqrt(Dh)."""
+    scale defaults to 1/sqrt(Dh); dropout_p drops attention probabilities (pass 0 outside training)."""
     name = _pick(q)
     _record(name)
     if name == "reference":
-        return reference.attention(q, k, v, doc_ids, scale, window=window)
-    return sdpa.attention(q, k, v, doc_ids, scale, window)
+        return reference.attention(q, k, v, doc_ids, scale, window=window, dropout_p=dropout_p)
+    return sdpa.attention(q, k, v, doc_ids, scale, window, dropout_p)
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None,

@@ -45,8 +45,9 @@ def document_causal_mask(doc_ids: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
-              offset: int = 0, window: int | None = None) -> Tensor:
-    """softmax(q k^T * scale, masked) v, [B, H, Tq, Dh] -> [B, H, Tq, Dh]; scale defaults to 1/sqrt(Dh)."""
+              offset: int = 0, window: int | None = None, dropout_p: float = 0.0) -> Tensor:
+    """softmax(q k^T * scale, masked) v, [B, H, Tq, Dh] -> [B, H, Tq, Dh]; scale defaults to 1/sqrt(Dh);
+    dropout_p drops probabilities (inverted dropout, as SDPA's)."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     scores = (q @ k.transpose(-2, -1)) * scale
@@ -57,4 +58,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, sc
     # Every row keeps at least its diagonal key (window >= 1), so no row is all -inf.
     weights = (scores - scores.amax(-1, keepdim=True).detach()).exp()
     weights = weights / weights.sum(-1, keepdim=True)
+    if dropout_p:
+        weights = torch.nn.functional.dropout(weights, dropout_p)
     return weights @ v

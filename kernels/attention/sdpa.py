@@ -26,20 +26,21 @@ def _band(Tq: int, Tk: int, offset: int, window: int | None, device: torch.devic
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
-              window: int | None = None) -> Tensor:
+              window: int | None = None, dropout_p: float = 0.0) -> Tensor:
     """Causal attention [B, H, T, Dh] -> [B, H, T, Dh]; documents isolated when doc_ids [B, T] is given;
-    each query sees at most `window` keys (itself included) when window is given."""
+    each query sees at most `window` keys (itself included) when window is given; dropout_p drops
+    attention probabilities (training)."""
     check_window(window)
     T = q.shape[-2]
     if window is not None and window >= T:
         window = None  # the band covers the whole triangle: keep the unmasked fast kernels
     if doc_ids is None and window is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p)
     mask = _band(T, T, 0, window, q.device)
     if doc_ids is not None:
         mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & mask
         mask = mask[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None,

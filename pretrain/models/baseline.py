@@ -64,9 +64,9 @@ class BaselineConfig(ModelConfig):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: BaselineConfig, depth: int, bias: bool = False):
+    def __init__(self, cfg: BaselineConfig, depth: int, bias: bool = False, dropout: float = 0.0):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.dropout = cfg.head_dim, dropout  # dropout: of attention probabilities, in training
         self.window = cfg.window or None
         self.qkv = ColumnLinear(cfg.d_model, 3 * cfg.d_model, bias, init_std=cfg.init_std, stacked=3)  # q | k | v
         # the output projection's init scales with the effective depth (block applications per token)
@@ -78,7 +78,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            y = attention(q, k, v, doc_ids, window=self.window)
+            y = attention(q, k, v, doc_ids, window=self.window, dropout_p=self.dropout if self.training else 0.0)
         else:  # streaming: attend to everything cached plus, causally, the new tokens
             keys, values, start = cache.extend(layer, k, v)  # a windowed cache may hold only the last keys
             y = cached_attention(q, keys, values, start, window=self.window)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from parallel.layers import ColumnLinear, LayerNorm, RMSNorm, RowLinear, shift_right
+from parallel.layers import ColumnLinear, LayerNorm, RMSNorm, RowLinear, gather_sequence, shift_right
 from pretrain.models import baseline, decoder
 from pretrain.models.base import EVAL
 from pretrain.models.decoder import Decoder, GradCache, KVCache
@@ -50,13 +50,15 @@ class CRTConfig(baseline.BaselineConfig):
     pre_ffn: bool = False  # one pre-norm residual FFN on the embeddings (the roformer-hFFN baseline)
     k_max: int = 5  # passes per training step: K ~ U{k_min..k_max}
     k_min: int = 2  # 0: K is always k_max
-    # passes at evaluation and for `logits`: 0 = k_max; -1 = exact at every position (the recurrence
-    # token by token, equal to T + 1 passes)
+    # passes at evaluation and for `logits`: 0 = k_max (exact under train_mode=bptt); -1 = exact at
+    # every position (the recurrence token by token, equal to T + 1 passes)
     eval_k: int = 0
     train_mode: str = "unrolled"  # unrolled (K parallel passes) | bptt (the exact recurrence, step by step)
     bptt_memory_gb: float = 16.0  # refuse BPTT runs whose kept activations would exceed this per rank
     prefill_chunk: int = 8  # decode: prompt tokens run in parallel at once (exactly: one pass per token)
-    dropout: float = 0.0  # after attention, FFN and correction outputs, a fresh mask in every pass
+    # of attention probabilities and after attention, FFN, correction and pre-FFN outputs (spec §7.7),
+    # a fresh mask in every pass; none on the embedding, which every pass reuses
+    dropout: float = 0.0
     corr_out_init: str = "normal"  # the correction's output layer: normal (N(0, std / sqrt(2D))) | zero
 
     @property
@@ -91,10 +93,22 @@ class CRTConfig(baseline.BaselineConfig):
             raise ValueError("model.dropout must be in [0, 1), model.prefill_chunk >= 1 and "
                              "model.bptt_memory_gb > 0")
 
+    @property
+    def exact_eval(self) -> bool:
+        """Evaluation by the recurrence itself (eval_k=-1, or the default under BPTT)."""
+        return self.corrected and (self.eval_k == -1 or (self.eval_k == 0 and self.train_mode == "bptt"))
+
     def validate_run(self, run) -> None:
+        p, T, B = run.parallel, run.data.seq_len, run.train.micro_batch_seqs
+        if self.exact_eval and (p.sp or self.document_mask):
+            raise ValueError("model.eval_k=-1 evaluates by the recurrence, one token at a time from each sample's "
+                             f"start, which {'parallel.sp' if p.sp else 'model.document_mask'}=true does not allow; "
+                             f"set model.eval_k to T + 1 = {T + 1} passes for the same values")
         if self.train_mode != "bptt":
             return
-        p, T, B = run.parallel, run.data.seq_len, run.train.micro_batch_seqs
+        if self.dropout:
+            raise ValueError("model.train_mode=bptt runs without dropout (its step-by-step attention has none); "
+                             "set model.dropout=0")
         if self.document_mask:
             raise ValueError("model.train_mode=bptt streams each sample from its first token: it does not "
                              "support model.document_mask=true")
@@ -139,7 +153,7 @@ class PaperBlock(nn.Module):
     def __init__(self, cfg: CRTConfig, depth: int):
         super().__init__()
         self.attn_norm = LayerNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = baseline.Attention(cfg, depth, bias=True)
+        self.attn = baseline.Attention(cfg, depth, bias=True, dropout=cfg.dropout)
         self.ffn_norm = LayerNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = FFN("paper", cfg.d_model, cfg.ffn, cfg.d_model, cfg.init_std, cfg.init_std / math.sqrt(2 * depth))
         self.drop = nn.Dropout(cfg.dropout)
@@ -178,7 +192,7 @@ class Correction(nn.Module):
             self.ffn = FFN(cfg.block, width, cfg.ffn, C, cfg.init_std, out_std)
             self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, z_prev: Tensor, x_prev: Tensor, e: Tensor) -> Tensor:
+    def forward(self, z_prev: Tensor, x_prev: Tensor | None, e: Tensor) -> Tensor:
         if self.variant == "block_head":
             return z_prev - x_prev
         u = {"add": lambda: z_prev + e, "blind": lambda: z_prev,
@@ -203,6 +217,7 @@ class CRT(Decoder):
             self.pre_norm = self.make_norm(cfg.d_model)
             self.pre = FFN(cfg.block, cfg.d_model, cfg.ffn, cfg.d_model, cfg.init_std,
                            cfg.init_std / math.sqrt(2 * cfg.n_layers))
+            self.pre_drop = nn.Dropout(cfg.dropout)
 
     def make_norm(self, dim: int) -> nn.Module:
         return LayerNorm(dim, self.cfg.norm_eps) if self.cfg.block == "paper" else RMSNorm(dim, self.cfg.norm_eps)
@@ -212,7 +227,17 @@ class CRT(Decoder):
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         e = self.embed(tokens)
-        return e + self.pre(self.pre_norm(e)) if self.cfg.pre_ffn else e
+        return e + self.pre_drop(self.pre(self.pre_norm(e))) if self.cfg.pre_ffn else e
+
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile one pass (the trunk and the correction), not the K-pass forward: the K loop
+        stays in Python, so every K drawn shares the same graphs instead of compiling one forward per K.
+        Under BPTT nothing is compiled: its cache grows by a token every step."""
+        if self.cfg.train_mode == "bptt":
+            return
+        for module in (self.trunk, self.correction):
+            if module is not None:
+                module.compile(*args, **kwargs)
 
     # -- training and evaluation: K passes in parallel ----------------------------------------------
     def passes(self, tokens, positions, doc_ids, K: int, corrections: int = 0) -> tuple[Tensor, list[Tensor]]:
@@ -227,9 +252,14 @@ class CRT(Decoder):
         for k in range(1, K + 1):
             z = self.trunk(x, cos, sin, doc_ids)
             if self.correction is not None and (k < K or corrections):
-                c = self.correction(shift_right(z, reset), shift_right(x, reset), e)
+                x_prev = shift_right(x, reset) if self.correction.variant == "block_head" else None
+                c = self.correction(shift_right(z, reset), x_prev, e)
                 kept = (kept + [c])[-corrections:] if corrections else kept
                 x = e + c  # non-cumulative: the embedding plus the newest correction
+        if K == 1 and self.correction is not None and torch.is_grad_enabled():
+            # A step with no correction still gives its parameters a (zero) gradient, so data-parallel
+            # engines that wait for every gradient (DDP, megatron, ZeRO) see the same set each step.
+            z = z + 0.0 * self.correction(z[:, :1], z[:, :1], e[:, :1])
         return z, kept
 
     def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
@@ -239,7 +269,7 @@ class CRT(Decoder):
             z = self.recurrence(batch.tokens, batch.positions)
             return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), {}
         K = num_passes(self.cfg, ctx, T)
-        if self.exact_by_recurrence(K, T, doc_ids):
+        if self.exact_by_recurrence(doc_ids):
             z = self.recurrence(batch.tokens, batch.positions)
             return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), {}
         if ctx.training or K < 2 or self.correction is None:
@@ -248,21 +278,20 @@ class CRT(Decoder):
             diagnostics = {"k": torch.tensor(float(K), device=z.device)} if trained_k else {}
             return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), diagnostics
         z, c = self.passes(batch.tokens, batch.positions, doc_ids, K, corrections=3)
-        return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), contraction(c, K)
+        return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), contraction(c, K, batch.doc_ids)
 
     def logits(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         K = num_passes(self.cfg, EVAL, tokens.shape[1])
-        z = self.recurrence(tokens, positions) if self.exact_by_recurrence(K, tokens.shape[1]) else \
+        z = self.recurrence(tokens, positions) if self.exact_by_recurrence() else \
             self.passes(tokens, positions, None, K)[0]
         return self.head.logits(self.norm(z))
 
-    def exact_by_recurrence(self, K: int, T: int, doc_ids=None) -> bool:
+    def exact_by_recurrence(self, doc_ids=None) -> bool:
         """Whether the exact evaluation asked for by eval_k=-1 runs as the recurrence itself: the
         values of T+1 parallel passes (spec §2.4) at the cost of one pass, token by token. Not with
         document masks (the recurrence streams one document) nor under autograd."""
-        return (self.cfg.eval_k == -1 and self.correction is not None and doc_ids is None
-                and not torch.is_grad_enabled())
+        return self.cfg.exact_eval and doc_ids is None and not torch.is_grad_enabled()
 
     # -- the recurrence itself: BPTT training and streaming decode -----------------------------------
     @torch.compiler.disable  # T single-token steps would unroll into one huge graph; they run eager
@@ -309,7 +338,9 @@ class CRT(Decoder):
         for _ in range(S if self.correction is not None else 1):
             if self.correction is not None:
                 z_prev = torch.cat((state.z_prev, z[:, :-1]), dim=1)
-                x_prev = torch.cat((state.x_prev, x[:, :-1]), dim=1)
+                x_prev = None  # only block_head reads the previous input
+                if self.correction.variant == "block_head":
+                    x_prev = torch.cat((state.x_prev, x[:, :-1]), dim=1)
                 x = e + self.correction(z_prev, x_prev, e)
             else:
                 x = e
@@ -326,25 +357,29 @@ def num_passes(cfg: CRTConfig, ctx, seq_len: int) -> int:
     if not cfg.corrected:
         return 1
     if not ctx.training:
-        return {0: cfg.k_max, -1: seq_len + 1}.get(cfg.eval_k, cfg.eval_k)
+        return seq_len + 1 if cfg.exact_eval else cfg.eval_k or cfg.k_max
     if not cfg.k_min or cfg.k_min == cfg.k_max:
         return cfg.k_max
     return int(torch.randint(cfg.k_min, cfg.k_max + 1, (), generator=ctx.generator()))
 
 
-def contraction(c: list[Tensor], K: int) -> dict[str, Tensor]:
-    """The empirical contraction L̂ = |c^K_t - c^(K-1)_t| / |c^(K-1)_t - c^(K-2)_t| (spec §2.7), over
-    positions t >= K-1 only (before that both are exactly 0/0 or 0/x); per sequence its max and
-    median over t, averaged over the batch (c^0 = 0 when K = 2). Under sequence parallelism these are
-    over this rank's slice of positions."""
-    c_prev2, c_prev, c_last = ([torch.zeros_like(c[0])] + c)[-3:] if len(c) < 3 else c
-    first = K - 1
-    if c_last.shape[1] <= first:
-        return {}
-    num = (c_last - c_prev)[:, first:].norm(dim=-1)
-    den = (c_prev - c_prev2)[:, first:].norm(dim=-1)
-    ratio = num / (den + 1e-12)
-    return {"lhat_max": ratio.amax(dim=1).mean(), "lhat_median": ratio.median(dim=1).values.mean()}
+def contraction(c: list[Tensor], K: int, doc_ids: Tensor | None = None) -> dict[str, Tensor]:
+    """The empirical contraction L̂_t = |c^K_t - c^(K-1)_t| / |c^(K-1)_t - c^(K-2)_t| (spec §2.7), over
+    the positions t >= K-1 of each document only (before that both are exactly 0/0 or 0/x), taken
+    over the whole sequence under sequence parallelism: per sequence its max over t (`lhat_max`) and
+    its median (`lhat_median`), each averaged over the batch (c^0 = 0 when K = 2)."""
+    c_prev2, c_prev, c_last = (gather_sequence(x) for x in ([torch.zeros_like(c[0])] + c)[-3:])
+    T = c_last.shape[1]
+    index = torch.arange(T, device=c_last.device).expand(c_last.shape[0], T)
+    if doc_ids is not None:  # the index within the document: t minus the document's first position
+        starts = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
+        index = index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+    valid = index >= K - 1
+    ratio = (c_last - c_prev).norm(dim=-1) / ((c_prev - c_prev2).norm(dim=-1) + 1e-12)
+    ratio = ratio.masked_fill(~valid, float("nan"))
+    # sequences without a valid position are left out (an all-short batch logs NaN)
+    return {"lhat_max": ratio.nan_to_num(nan=-1.0).amax(dim=1).masked_fill(~valid.any(1), float("nan")).nanmean(),
+            "lhat_median": ratio.nanmedian(dim=1).values.nanmean()}
 
 
 def block_params(cfg: CRTConfig) -> int:
@@ -404,9 +439,13 @@ def convert(source_arch: str, source_cfg, source_state: dict[str, Tensor], targe
         block = source_cfg.block
     else:
         raise ValueError(f"model.arch crt converts from a baseline or crt run, not from {source_arch!r}")
+    if target_cfg.correction in ("none", "block_head"):
+        raise ValueError(f"converting into model.correction={target_cfg.correction} would not start from the "
+                         "source's function (only a correction FFN with a zero output layer does); use add, blind "
+                         "or concat")
     fields = ("block", "d_model", "n_layers", "n_heads", "ffn", "vocab_size", "tie_embeddings", "norm_eps",
-              "rope_theta", "window")
-    source = dict(zip(fields, [block] + [getattr(source_cfg, f) for f in fields[1:]]))
+              "rope_theta", "window", "pre_ffn")
+    source = dict(zip(fields, [block] + [getattr(source_cfg, f, False) for f in fields[1:]]))
     for name, value in source.items():
         if getattr(target_cfg, name) != value:
             raise ValueError(f"cannot convert a {source_arch} run with model.{name}={value} into a CRT with "
