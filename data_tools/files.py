@@ -3,6 +3,7 @@
     atomic_write(path, data)   # readers see the old file or the new one, never a part of either
     write_file(path, data)     # written and fsynced in place (inside a directory published later)
     fsync_path(path)           # fsync a file or a directory (a directory's fsync makes renames durable)
+    file_checksum(path)        # xxh3-128 of a file (checkpoints and exported folders record them)
 
 `atomic_write` is for files small enough to hold in memory. Streamed outputs (the .bin/.idx pair of
 data_tools.indexed) and whole directories (checkpoints, index caches) publish themselves by their
@@ -12,6 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+
+
+def file_checksum(path: str | os.PathLike) -> str:
+    """The xxh3-128 hex digest of a file (~10 GB/s), read in 16 MiB blocks into one reused buffer."""
+    import xxhash
+
+    h, buf = xxhash.xxh3_128(), bytearray(16 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def fsync_path(path: str | os.PathLike) -> None:

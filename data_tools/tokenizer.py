@@ -115,6 +115,10 @@ class Tokenizer(ABC):
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens decode to nothing."""
 
+    @abstractmethod
+    def id_to_token(self, i: int) -> str | None:
+        """The token (piece) with id i, as the tokenizer spells it (None outside the vocabulary)."""
+
     def fingerprint(self) -> str:
         """sha256 hex of the model file's bytes, the key caches store preprocessed data under.
         Overrides (eos_token=...) are not part of it: callers that depend on them key on the ids too."""
@@ -169,6 +173,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._sp.id_to_piece(i) if 0 <= i < self.vocab_size else None
 
 
 class HFTokenizer(Tokenizer):
@@ -226,6 +233,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
 
 
 def _resolve_path(path: Path) -> Path:

@@ -39,12 +39,11 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from data_tools.errors import first_line
-from data_tools.files import atomic_write, fsync_path
+from data_tools.files import atomic_write, file_checksum, fsync_path  # noqa: F401 (file_checksum: re-exported)
 from data_tools.files import write_file as _write_file  # a module name, so that a test can make it fail
 from parallel.state import LocalState, as_state  # noqa: F401  (the checkpoint view, shared with the engines)
 
@@ -88,16 +87,6 @@ def _dcp_call():
 
 def _multi() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def file_checksum(path: str) -> str:
-    """The xxh3-128 hex digest of a file, read in 16 MiB blocks into one reused buffer."""
-    h, buf = xxhash.xxh3_128(), bytearray(16 << 20)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 def _checksums_at_save(tmp: str, multi: bool, leader: bool) -> dict[str, str] | None:

@@ -1,4 +1,4 @@
-"""`pretrain`: train, evaluate, sample, plot and size models. Run `pretrain VERB --help`.
+"""`pretrain`: train, evaluate, sample, plot, size, export and import models. Run `pretrain VERB --help`.
 
 torch is imported inside the verbs, so `pretrain --help` answers at once.
 """
@@ -52,6 +52,38 @@ _INFERENCE_OVERRIDES = ("dotted overrides of the stored config for what may chan
                         "checkpoint.verify, and model fields that keep every weight's shape")
 
 
+_EXPORT_HELP = """examples:
+  pretrain export runs/xs-web exports/xs-web                    # native folder, any architecture
+  pretrain export runs/xs-web exports/xs-web-hf --format hf     # transformers.LlamaForCausalLM (baseline)
+  pretrain export runs/xs-web/checkpoints/step_00002000 exports/xs-2000 --dtype bfloat16
+
+The folder holds model.safetensors (the single-device model's tensors, by name), config.json (the
+model config and architecture), the tokenizer, generation_config.json and a README.md model card
+(parameters, training tokens, final validation loss, this command). Checkpoints of any layout (TP,
+ZeRO-3, the distributed optimizer, one process) export alike. `pretrain eval` and `pretrain
+generate` take the folder in place of a run; in Python, with torch and safetensors only:
+  from pretrain.export import load_folder; model, spec, cfg, tokenizer = load_folder("exports/xs-web")
+An existing OUT is refused unless --force (it is replaced only once the new folder is complete).
+
+""" + _RUN_PATHS
+
+_IMPORT_HELP = """examples:
+  pretrain import ~/llama-hf runs/llama                         # a local HF Llama folder -> a baseline run
+  pretrain import ~/llama-hf runs/llama-crt --arch crt model.k_max=5 model.k_min=2   # ... -> a CRT
+  pretrain import runs/xs-web runs/xs-crt --arch crt            # a trained baseline run -> a CRT
+then fine-tune in a new run that starts from the imported weights (fresh optimizer, step 0):
+  pretrain train runs/llama train.run_dir=runs/llama-ft checkpoint.init_from=runs/llama data.train=[PREFIX]
+
+SOURCE: a local Hugging Face folder (config.json + model.safetensors or a sharded index; Llama
+only: model_type llama without biases, sliding windows or RoPE scaling), a folder from `pretrain
+export`, or a run or checkpoint directory. Nothing is downloaded. --arch converts through that
+architecture's registry `convert` (CRT: function-preserving, the correction's output layer at zero,
+so the converted model's logits equal the source's for every K until fine-tuning). Overrides set
+any field of OUT_RUN's config (model.* of the target, data.*, train.*, ...). The tokenizer is the
+folder's tokenizer.json or tokenizer.model unless --tokenizer names one; a tokenizer with more
+tokens than the model's vocabulary is refused."""
+
+
 def _parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="pretrain", description="Pretrain recurrent transformer architectures.",
                                   epilog="Run `pretrain VERB --help` for the options and examples of each verb.")
@@ -71,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
              "  pretrain eval runs/quickstart data.valid=[data/other_text_document]\n"
              "  pretrain eval runs/pc-tiny          # data.task runs: also 'accuracy L0 ... LH' on held-out sequences\n\n"
              + _RUN_PATHS)
-    e.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    e.add_argument("path", help="a run directory (its latest checkpoint), a checkpoint directory or an exported folder")
     e.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     e.add_argument("--batches", type=int, default=0, help="micro batches to evaluate (default: train.eval_batches)")
     e.add_argument("--unigram-entropy", action="store_true",
@@ -82,15 +114,37 @@ def _parser() -> argparse.ArgumentParser:
     g = verb("generate", "sample text from a checkpoint with a KV cache",
              "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40\n\n"
              + _RUN_PATHS)
-    g.add_argument("path", help="a run directory (its latest checkpoint) or a checkpoint directory")
+    g.add_argument("path", help="a run directory (its latest checkpoint), a checkpoint directory or an exported folder")
     g.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     g.add_argument("--prompt", default="", help="text to continue (default: the beginning of a document)")
     g.add_argument("--max-tokens", type=int, default=100)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.8, or an exported "
+                   "folder's generation_config.json)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0 = all)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1 = off)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-samples", type=int, default=1)
+
+    x = verb("export", "write a checkpoint as a self-contained folder (safetensors, config, tokenizer, "
+             "model card), natively or for Hugging Face transformers", _EXPORT_HELP)
+    x.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run directory (its latest checkpoint) or a "
+                   "checkpoint directory")
+    x.add_argument("out", metavar="OUT", help="the folder to write")
+    x.add_argument("--format", choices=("native", "hf"), default="native",
+                   help="native (every architecture; default) or hf (LlamaForCausalLM; the baseline)")
+    x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="",
+                   help="weights' dtype in the folder (default: the checkpoint's)")
+    x.add_argument("--tokenizer", default="", help="the tokenizer to ship (default: the run's)")
+    x.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+    m = verb("import", "turn a Hugging Face Llama folder, an exported folder or a run into a run directory to "
+             "fine-tune (optionally converted into another architecture)", _IMPORT_HELP)
+    m.add_argument("source", metavar="SOURCE", help="an HF folder, an exported folder, or a run/checkpoint directory")
+    m.add_argument("out", metavar="OUT_RUN", help="the run directory to write")
+    m.add_argument("overrides", nargs="*", help="dotted overrides of OUT_RUN's config, e.g. model.k_max=5")
+    m.add_argument("--arch", default="", help="convert into this architecture (default: the source's)")
+    m.add_argument("--tokenizer", default="", help="the tokenizer file (default: the source's)")
+    m.add_argument("--force", action="store_true", help="replace OUT_RUN if it exists")
 
     p = verb("plot", "plot the loss curves of one or more runs to a PNG",
              "example:\n  pretrain plot runs/a runs/b --output loss.png")
@@ -112,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         from pretrain.malloc import use_caching_allocator
 
         use_caching_allocator()
-    handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info}
+    handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info,
+                "export": _export, "import": _import}
     try:
         return handlers[args.verb](args)
     except StopRequested as e:
@@ -232,15 +287,40 @@ def _generate(args) -> int:
     model, spec, cfg, tok = load_for_inference(args.path, overrides=args.overrides)
     if tok is None:
         raise ValueError(f"no tokenizer was saved with {args.path}; generation needs one (data.tokenizer)")
+    from pretrain.export.loader import SAMPLING, sampling_defaults
+
     prompt = tok.encode(args.prompt) if args.prompt else []
     if not prompt:
         prompt = [tok.special_ids().get("bos") or tok.eod_id]
-    outs = generate(model, spec, [prompt] * args.num_samples, args.max_tokens, args.temperature, args.top_k,
-                    args.top_p, args.seed, eos_id=tok.eod_id)
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    sampling = {**SAMPLING, **sampling_defaults(args.path), **{k: v for k, v in given.items() if v is not None}}
+    outs = generate(model, spec, [prompt] * args.num_samples, args.max_tokens, sampling["temperature"],
+                    int(sampling["top_k"]), sampling["top_p"], args.seed, eos_id=tok.eod_id)
     for k, ids in enumerate(outs):
         if args.num_samples > 1:
             print(f"--- sample {k}")
         print(args.prompt + tok.decode(ids))
+    return 0
+
+
+def _export(args) -> int:
+    from pretrain.export.writer import export
+
+    command = "pretrain export " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["export"] else ""
+    r = export(args.source, args.out, args.format, args.dtype, args.force, args.tokenizer, command=command)
+    print(f"exported {r['arch']} step {r['step']} ({r['params']:,} parameters, {r['dtype']}, "
+          f"{r['bytes'] / 2**20:,.1f} MiB) from {r['checkpoint']} to {r['out']} ({r['format']} format) in "
+          f"{r['seconds']:.1f} s")
+    return 0
+
+
+def _import(args) -> int:
+    from pretrain.export.importer import finetune_command, import_run
+
+    r = import_run(args.source, args.out, args.arch, args.overrides, args.force, args.tokenizer)
+    print(f"imported {r['source']} into {r['out']}: model.arch {r['arch']!r}, {r['params']:,} parameters"
+          f"{r['converted']}{'' if r['tokenizer'] else ' (no tokenizer: generation needs --tokenizer)'}")
+    print(f"fine-tune it in a new run: {finetune_command(r['out'])}")
     return 0
 
 

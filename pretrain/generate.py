@@ -62,10 +62,14 @@ def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature:
 def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tuple = (), log=print,
                        need: tuple = ("tokenizer",)):
     """(model, spec, config, tokenizer or None) from a run directory (its latest usable checkpoint,
-    falling back past corrupt ones with a line) or a checkpoint directory (a corrupt file is an error
-    naming it). The stored config's paths are found where the run now is (pretrain/runs.py), then
+    falling back past corrupt ones with a line), a checkpoint directory (a corrupt file is an error
+    naming it) or an exported folder (pretrain/export/loader.py). The stored config's paths are found where the run now is (pretrain/runs.py), then
     `overrides` apply (only those that keep the trained weights, see runs.check_inference_overrides),
     then the data files `need` names are checked (DataConfig.check_files)."""
+    from pretrain.export.loader import is_export_folder, load_folder
+
+    if is_export_folder(path):  # a folder written by `pretrain export` (torch and safetensors only)
+        return load_folder(path, device, overrides, log, need)
     from data_tools.tokenizer import load_tokenizer
     from pretrain.checkpoint import META_FILE, latest_checkpoint, load_checkpoint, load_latest, read_meta
     from pretrain.config import config_from_dict

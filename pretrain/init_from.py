@@ -92,14 +92,16 @@ def check(cfg) -> None:
     with torch.device("meta"), single_device():
         state = get_arch(source.arch).build(source.model).state_dict()
         target = get_arch(cfg.model.arch).build(cfg.model).state_dict()
-    _state_for(source, cfg, state, {k: tuple(v.shape) for k, v in target.items()})
+    state_for(source, cfg, state, {k: tuple(v.shape) for k, v in target.items()})
 
 
-def _state_for(source: Source, cfg, state: dict, shapes: dict) -> dict:
-    """The run's initial state from the source's `state`, checked against the model's `shapes`."""
+def state_for(source: Source, cfg, state: dict, shapes: dict, name: str = "") -> dict:
+    """The run's initial state from the source's `state` (converted when the architectures differ),
+    checked against the model's `shapes`; ConfigError naming the source (`name`, by default
+    "checkpoint.init_from PATH") and the first tensor that does not fit."""
     from pretrain.config import ConfigError
 
-    name = f"checkpoint.init_from {source.given!r}"
+    name = name or f"checkpoint.init_from {source.given!r}"
     if source.convert is not None:
         from parallel.mesh import single_device
 
@@ -150,7 +152,7 @@ def load_initial_weights(cfg, engine, log=print) -> str:
         saved = SavedModel()
         path = load(saved, source.arch)
         template = view.model_template()
-        state = _state_for(source, cfg, saved.state, {k: tuple(v.shape) for k, v in template.items()})
+        state = state_for(source, cfg, saved.state, {k: tuple(v.shape) for k, v in template.items()})
         del template, saved
         view.set_state(state)
         how = f", converted from model.arch {source.arch!r} to {cfg.model.arch!r} by the registry's convert"

@@ -26,7 +26,7 @@ from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_a
 from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
-from pretrain.checkpoint import latest_checkpoint, load_latest, save_checkpoint
+from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_vocab, train_dataset, valid_dataset
@@ -59,6 +59,17 @@ def autocast_dtype(train, device: torch.device) -> torch.dtype | None:
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     return torch.bfloat16 if precision == "bf16" else None
+
+
+def _refuse_imported(run_dir: str) -> None:
+    """A directory `pretrain import` wrote holds weights without an optimizer: it is started from, not
+    resumed (resuming would also let retention delete the imported weights)."""
+    path = latest_checkpoint(run_dir, log=lambda _: None)
+    if path is not None and read_meta(path).get("imported_from"):
+        from pretrain.export.importer import finetune_command
+
+        raise ValueError(f"{run_dir} holds imported weights (pretrain import), not a run to resume; fine-tune them "
+                         f"in a new run: {finetune_command(run_dir)}")
 
 
 def collator_for(data) -> Collator:
@@ -164,6 +175,7 @@ class Trainer:
                                  "checkpoint.resume=false; choose another train.name or train.run_dir, or delete it")
             path = None
         else:
+            _refuse_imported(self.run_dir)
             path, meta = load_latest(self.run_dir, self.engine, restore_rng=True, expect_arch=self.cfg.model.arch,
                                      verify=c.verify, log=self.log)
         if path is None:

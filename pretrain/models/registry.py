@@ -89,7 +89,12 @@ class ArchSpec:
     # A model that applies a block several times per step can offer several (CRT: each block in each
     # pass, or a whole pass keeping only its input).
     recompute_units: Callable[[Any], list] | dict[str, Callable[[Any], list]] | None = None
-    export_adapter: Any | None = None
+    # Export (pretrain/export): the generic native folder works for any model whose state dict is
+    # its weights; an architecture that cannot be exported says why here (the round-trip test and
+    # `pretrain export` quote it). `hf`: an adapter to and from a Hugging Face transformers layout
+    # (pretrain/models/hf_llama.py's LlamaAdapter is the interface), for `--format hf` and import.
+    export_refusal: str = ""
+    hf: Any | None = None
     # Starting a run from another architecture's weights (checkpoint.init_from):
     # convert(source_arch, source_cfg, source_state, target_cfg) -> this architecture's full,
     # single-device state dict (every name its model's state_dict has, tied weights under each name).
@@ -98,6 +103,10 @@ class ArchSpec:
     # shapes before any work, so it must only use tensor operations (make new tensors with
     # zeros_like/new_zeros of a source tensor, never read values). None: same-architecture loading only.
     convert: Callable[[str, Any, dict, Any], dict] | None = None
+    # The model fields a conversion from `source_arch` fixes beyond those both configs share by name
+    # (CRT from a baseline: {"block": "llama"}); `pretrain import --arch` builds the target config
+    # from the shared fields, these, then the user's overrides. None: only the shared fields.
+    convert_fields: Callable[[str, Any], dict] | None = None
 
     def recompute_policies(self) -> dict[str, Callable[[Any], list]]:
         """Every policy by name, "full" included (the first named one, or the bare function)."""

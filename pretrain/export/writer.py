@@ -1,0 +1,207 @@
+"""`pretrain export RUN_OR_CHECKPOINT OUT`: a trained model as a self-contained folder.
+
+The native folder (every architecture):
+    config.json             {"format": "recurrent-pretrain", "arch", "model": the model config,
+                             "dtype", "tokenizer", "aliases" (tied names), "checksums", "training": ...}
+    model.safetensors       the single-device model's tensors under their state-dict names (a tied
+                            tensor once, under its first name; config.json's aliases name the others)
+    <tokenizer file>        the run's tokenizer (a sentencepiece .model or a tokenizer.json)
+    generation_config.json  sampling defaults `pretrain generate` uses for this folder
+    README.md               the model card: architecture, parameters, training tokens, validation loss
+
+`--format hf` writes what transformers loads instead (an architecture whose registry entry has an
+`hf` adapter: the baseline, as LlamaForCausalLM). Either way the checkpoint is read once, as full
+tensors, and each tensor is converted only while it is written (pretrain/export/tensorfile.py), so
+export holds one copy of the weights plus one tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+FORMAT, FORMAT_VERSION = "recurrent-pretrain", 1
+CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, CARD_FILE = ("config.json", "model.safetensors",
+                                                         "generation_config.json", "README.md")
+DTYPES = ("float32", "bfloat16", "float16")
+SAMPLING = {"temperature": 0.8, "top_k": 0, "top_p": 1.0}  # `pretrain generate`'s defaults
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def _final_metrics(run_dir: str, step: int) -> dict:
+    """The last logged training tokens and validation loss at or before `step` (metrics.jsonl)."""
+    path, out = os.path.join(run_dir, "metrics.jsonl"), {}
+    if not os.path.isfile(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue  # a torn last line of a killed run
+            if not isinstance(r, dict) or not isinstance(r.get("step"), int) or r["step"] > step:
+                continue
+            if "tokens" in r:
+                out["tokens"] = r["tokens"]
+            if "val_loss" in r:
+                out.update(val_loss=r["val_loss"], val_step=r["step"])
+    return out
+
+
+def _tokenizer(cfg):
+    """(path, Tokenizer) of the run's tokenizer, or (None, None) for a run trained without one."""
+    from data_tools.tokenizer import load_tokenizer
+
+    path = cfg.data.tokenizer
+    if not path:
+        return None, None
+    if not os.path.isfile(path):
+        raise ValueError(f"the run's tokenizer {path} was not found (nor its copy in the run directory); "
+                         "pass --tokenizer PATH")
+    return path, load_tokenizer(path)
+
+
+def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: bool = False,
+           tokenizer: str = "", log=print, command: str = "") -> dict:
+    """Export checkpoint or run `source` to folder `out` (see the module docstring); returns a summary."""
+    import torch
+
+    from parallel.mesh import single_device
+    from pretrain.export.source import atomic_folder, check_output, read_checkpoint, tied_aliases
+    from pretrain.export.tensorfile import write_safetensors
+    from pretrain.models import count_parameters, get_arch
+
+    if fmt not in ("native", "hf"):
+        raise ValueError(f"--format {fmt!r} is not one of native, hf")
+    if dtype and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_output(out, force)  # before the (long) read
+    t0 = time.perf_counter()
+    ck = read_checkpoint(source, log)
+    cfg, arch = ck.cfg, ck.cfg.model.arch
+    spec = get_arch(arch)
+    if tokenizer:
+        cfg.data.tokenizer = tokenizer
+    tok_path, tok = _tokenizer(cfg)
+    if tok is not None and tok.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer {tok_path} has {tok.vocab_size} tokens, more than model.vocab_size "
+                         f"{cfg.model.vocab_size}")
+    aliases = tied_aliases(arch, cfg.model)
+    missing = [n for n in aliases.values() if n not in ck.state]
+    if missing:
+        raise ValueError(f"checkpoint {ck.checkpoint} has no tensor {missing[0]}")
+    first = {name: t for name, t in ck.state.items() if name not in aliases}
+    stored_dtype = next(iter(first.values())).dtype
+    target = getattr(torch, dtype) if dtype else stored_dtype
+
+    def cast(t):
+        return t.to(target) if t.is_floating_point() else t
+
+    if fmt == "hf":
+        if spec.hf is None:
+            raise ValueError(f"--format hf: model.arch {arch!r} has no Hugging Face counterpart (its registry entry "
+                             "names no `hf` adapter); export it in the native format")
+        spec.hf.check_export(cfg.model)
+        producers = spec.hf.weights_to_hf(cfg.model, ck.state)  # {hf name: (shape, () -> tensor)}
+        specs = {name: (shape, target) for name, (shape, _) in producers.items()}
+
+        def tensor_of(name):
+            return cast(producers[name][1]())
+    else:
+        specs = {name: (tuple(t.shape), target if t.is_floating_point() else t.dtype) for name, t in first.items()}
+
+        def tensor_of(name):
+            return cast(first[name])
+
+    with torch.device("meta"), single_device():
+        counts = count_parameters(spec.build(cfg.model))
+    metrics = _final_metrics(ck.run_dir, int(ck.meta["step"]))
+    metrics.setdefault("tokens", int(ck.meta["step"]) * cfg.tokens_per_step)
+    dtype_name = str(target).removeprefix("torch.")
+    with atomic_folder(out, force) as tmp:
+        size = write_safetensors(os.path.join(tmp, WEIGHTS_FILE), specs, tensor_of, {"format": "pt"})
+        tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
+        if fmt == "hf":
+            _write_json(os.path.join(tmp, CONFIG_FILE), spec.hf.hf_config(cfg.model, dtype_name, tok))
+            _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(tok, SAMPLING))
+        else:
+            from data_tools.files import file_checksum
+
+            training = {"config": cfg.to_dict(), "checkpoint": os.path.abspath(ck.checkpoint),
+                        "step": int(ck.meta["step"]), **metrics}
+            _write_json(os.path.join(tmp, CONFIG_FILE), {
+                "format": FORMAT, "format_version": FORMAT_VERSION, "arch": arch,
+                "model": training["config"]["model"], "dtype": dtype_name,
+                "tokenizer": tok_files[0] if tok_files else None, "aliases": aliases,
+                "checksums": {"algorithm": "xxh3_128", WEIGHTS_FILE: file_checksum(os.path.join(tmp, WEIGHTS_FILE))},
+                "params": counts, "training": training})
+            _write_json(os.path.join(tmp, GENERATION_FILE), {
+                **SAMPLING, "eos_token_id": tok.eod_id if tok else None,
+                "bos_token_id": tok.special_ids().get("bos") if tok else None, "max_length": cfg.model.max_seq_len})
+        with open(os.path.join(tmp, CARD_FILE), "w") as f:
+            f.write(model_card(cfg, counts, ck, metrics, fmt, dtype_name, tok_files, command or
+                               f"pretrain export {source} {out}" + (" --format hf" if fmt == "hf" else "")))
+    return {"out": out, "format": fmt, "arch": arch, "step": int(ck.meta["step"]), "checkpoint": ck.checkpoint,
+            "bytes": size, "params": counts["total"], "dtype": dtype_name, "seconds": time.perf_counter() - t0}
+
+
+def _copy_tokenizer(folder: str, path, tok, fmt: str, spec) -> list[str]:
+    """Copy the tokenizer into the folder; names of the files written."""
+    if path is None:
+        return []
+    if fmt == "hf":
+        return spec.hf.write_tokenizer(folder, path, tok)
+    name = os.path.basename(path)
+    if name in (CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, CARD_FILE):
+        name = "tokenizer" + os.path.splitext(name)[1]
+    shutil.copy2(path, os.path.join(folder, name))
+    return [name]
+
+
+def model_card(cfg, counts: dict, ck, metrics: dict, fmt: str, dtype: str, tok_files: list, command: str) -> str:
+    from pretrain.config import to_yaml
+
+    name = os.path.basename(os.path.normpath(ck.run_dir))
+    val = (f"{metrics['val_loss']:.4f} nats/token (perplexity {2.718281828459045 ** metrics['val_loss']:.2f}) "
+           f"at step {metrics['val_step']}") if "val_loss" in metrics else "not evaluated during training"
+    load = ("transformers.LlamaForCausalLM.from_pretrained(FOLDER)  # local files only" if fmt == "hf" else
+            "pretrain generate FOLDER --prompt '...'   |   pretrain eval FOLDER data.valid=[PREFIX]\n"
+            "from pretrain.export import load_folder; model, spec, cfg, tokenizer = load_folder(FOLDER)")
+    model_yaml = to_yaml(cfg).split("\nparallel:")[0]  # the model section comes first
+    return f"""# {name}: {cfg.model.arch}
+
+Exported by recurrent-pretrain from step {ck.meta['step']} of run `{name}`.
+
+| | |
+|---|---|
+| architecture | `{cfg.model.arch}` ({'Hugging Face Llama layout' if fmt == 'hf' else 'native format'}) |
+| parameters | {counts['total']:,} ({counts['embedding']:,} embedding, {counts['non_embedding']:,} non-embedding) |
+| training tokens | {metrics['tokens']:,} ({ck.meta['step']} steps) |
+| final validation loss | {val} |
+| weights | `{WEIGHTS_FILE}`, {dtype} |
+| tokenizer | {', '.join(f'`{t}`' for t in tok_files) or 'none (the run trained without one)'} |
+
+## Load
+
+```
+{load}
+```
+
+## Model config
+
+```yaml
+{model_yaml.strip()}
+```
+
+## Produced by
+
+```
+{command}
+```
+"""

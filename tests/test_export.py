@@ -1,0 +1,183 @@
+"""Exported folders: the registry-wide round trip, the standalone loader, and what export refuses.
+
+Every registered architecture trains a few steps, is exported, and its folder (loaded with the
+standalone loader) computes the run checkpoint's logits (fp32 to 1e-5) and greedy tokens; an
+architecture that cannot be exported declares why in its registry entry and is refused with it.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import looped_model  # noqa: F401  (registers the test architectures)
+from pretrain.cli import main
+from pretrain.config import load_config
+from pretrain.export.loader import load_folder
+from pretrain.export.writer import CONFIG_FILE, WEIGHTS_FILE, export
+from pretrain.generate import generate, load_for_inference
+from pretrain.models import all_archs, get_arch
+from pretrain.trainer import Trainer
+from test_registry import ROOT, run_overrides, tiny_config
+from trainer_helpers import VOCAB, write_markov_corpus, write_word_tokenizer
+
+ALL = [s.name for s in all_archs()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
+
+
+def train(tmp_path, corpus, arch="baseline", steps=4, **extra):
+    config, over = tiny_config(arch)
+    tok = write_word_tokenizer(tmp_path / "tok.json")
+    values = {"train.max_steps": steps, "checkpoint.every": steps, **extra}
+    threads = torch.get_num_threads()
+    try:
+        Trainer(load_config(config, over + run_overrides(tmp_path, corpus, tok, **values)), log=lambda *_: None).fit()
+    finally:
+        torch.set_num_threads(threads)
+    return str(tmp_path / "run")
+
+
+def quiet(*_):
+    pass
+
+
+TOKENS = torch.randint(5, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_export_round_trip(arch, tmp_path, corpus):
+    run = train(tmp_path, corpus, arch)
+    spec = get_arch(arch)
+    out = str(tmp_path / "exported")
+    if spec.export_refusal:
+        with pytest.raises(ValueError, match=spec.export_refusal[:30]):
+            export(run, out, log=quiet)
+        assert not os.path.exists(out)
+        return
+    export(run, out, log=quiet)
+    model, _, _, _ = load_for_inference(run, log=quiet)
+    loaded, lspec, cfg, tok = load_folder(out, log=quiet)
+    assert lspec is spec and cfg.model == model.cfg and tok is not None
+    with torch.no_grad():
+        torch.testing.assert_close(spec.logits(loaded, TOKENS), spec.logits(model, TOKENS), rtol=0, atol=1e-5)
+    prompt = TOKENS[:, :3].tolist()
+    assert generate(loaded, spec, prompt, 8, temperature=0) == generate(model, spec, prompt, 8, temperature=0)
+    files = set(os.listdir(out))
+    assert {CONFIG_FILE, WEIGHTS_FILE, "generation_config.json", "README.md", "tok.json"} <= files
+    card = open(os.path.join(out, "README.md")).read()
+    assert f"`{arch}`" in card and "training tokens | 1,024 (4 steps)" in card and "Produced by" in card
+
+
+def test_cli_export_then_eval_and_generate_from_the_folder(tmp_path, corpus, capsys):
+    run = train(tmp_path, corpus, **{"train.eval_every": 4})
+    out = str(tmp_path / "folder")
+    assert main(["export", run, out]) == 0
+    assert "exported baseline step 4" in capsys.readouterr().out
+    config = json.load(open(os.path.join(out, CONFIG_FILE)))
+    assert config["arch"] == "baseline" and config["aliases"] == {"head.weight": "embed.weight"}  # tied, stored once
+    card = open(os.path.join(out, "README.md")).read()
+    assert "final validation loss | " in card and "at step 4" in card
+    for path in (run, out):  # the folder evaluates and samples like the run
+        assert main(["eval", path, "--json", "--batches", "2"]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert main(["generate", path, "--prompt", "t5 t9", "--max-tokens", "5", "--temperature", "0"]) == 0
+        result["sample"] = capsys.readouterr().out
+        if path == run:
+            expected = result
+    assert result == expected
+
+
+def test_the_loader_needs_torch_and_safetensors_only(tmp_path, corpus):
+    run = train(tmp_path, corpus, "crt")
+    out = str(tmp_path / "folder")
+    export(run, out, log=quiet)
+    code = f"""
+import sys
+for name in ("megatron", "deepspeed", "transformer_engine", "apex"):
+    sys.modules[name] = None  # importing any of them now fails
+import torch
+from pretrain.export import load_folder
+from pretrain.generate import generate
+model, spec, cfg, tok = load_folder({out!r})
+print(generate(model, spec, [[5, 6, 7]], 4, temperature=0)[0])
+assert not torch.distributed.is_initialized()
+banned = [m for m in sys.modules if m.startswith(("torch.distributed.checkpoint", "megatron", "deepspeed"))
+          and sys.modules[m] is not None]
+assert not banned, banned
+"""
+    out_ = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out_.returncode == 0, out_.stderr
+    assert len(json.loads(out_.stdout.strip())) == 4
+
+
+def test_dtype_and_force(tmp_path, corpus):
+    run = train(tmp_path, corpus)
+    out = str(tmp_path / "folder")
+    export(run, out, dtype="bfloat16", log=quiet)
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(out, WEIGHTS_FILE), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="already exists; pass --force"):
+        export(run, out, log=quiet)
+    before = open(os.path.join(out, CONFIG_FILE)).read()
+    assert json.loads(before)["dtype"] == "bfloat16"
+    export(run, out, force=True, log=quiet)
+    assert json.loads(open(os.path.join(out, CONFIG_FILE)).read())["dtype"] == "float32"
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".folder")] == []  # no temporary left
+
+
+def test_a_corrupt_checkpoint_is_refused_and_nothing_is_written(tmp_path, corpus):
+    run = train(tmp_path, corpus)
+    ckpt = os.path.join(run, "checkpoints", "step_00000004")
+    data = sorted(n for n in os.listdir(ckpt) if n.endswith(".distcp"))[0]
+    with open(os.path.join(ckpt, data), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    out = str(tmp_path / "folder")
+    with pytest.raises(Exception, match=f"{data} does not match the checksum"):
+        export(ckpt, out, log=quiet)
+    assert not os.path.exists(out)
+    os.remove(os.path.join(ckpt, "meta.json"))  # half-written: no meta.json
+    with pytest.raises(Exception, match="is incomplete"):
+        export(ckpt, out, log=quiet)
+    assert not os.path.exists(out) and [n for n in os.listdir(tmp_path) if n.startswith(".folder")] == []
+
+
+def test_a_damaged_folder_is_refused_naming_the_file(tmp_path, corpus):
+    run = train(tmp_path, corpus)
+    out = str(tmp_path / "folder")
+    export(run, out, log=quiet)
+    weights = os.path.join(out, WEIGHTS_FILE)
+    size = os.path.getsize(weights)
+    with open(weights, "r+b") as f:
+        f.seek(size - 7)
+        f.write(b"\x01")
+    with pytest.raises(ValueError, match="model.safetensors is corrupt"):
+        load_folder(out, log=quiet)
+    with open(weights, "r+b") as f:
+        f.truncate(size - 64)
+    with pytest.raises(ValueError, match="model.safetensors is truncated"):
+        load_folder(out, log=quiet)
+    with open(os.path.join(out, CONFIG_FILE), "w") as f:
+        f.write('{"format": "recurrent-pretrain", "format_version": 9}')
+    with pytest.raises(ValueError, match="format_version 9; this code reads up to 1"):
+        load_folder(out, log=quiet)
+
+
+def test_bad_command_lines(tmp_path, corpus, capsys):
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    run = train(tmp_path, corpus)
+    assert main(["export", run, str(tmp_path / "no" / "out")]) == 2
+    assert "parent directory" in capsys.readouterr().err
+    assert main(["export", run, str(tmp_path / "out"), "--format", "hf", "--tokenizer", str(tmp_path / "x.json")]) == 2
+    assert "x.json" in capsys.readouterr().err
