@@ -4,7 +4,7 @@ The rule (README, "Runs can move"):
 1. When training starts, every path of the config (data.train, data.valid, data.tokenizer,
    data.cache_dir, train.run_dir, checkpoint.init_from) is made absolute, so the stored config.yaml
    and each checkpoint's config work from any working directory.
-2. Reading a run back (`pretrain train RUN_DIR`, `eval`, `generate`, later `export`), a stored path
+2. Reading a run back (`pretrain train RUN_DIR`, `eval`, `generate`, `export`), a stored path
    that no longer exists is looked up at the same place relative to the run directory: a run moved
    together with its data (e.g. a whole project folder copied elsewhere) still works. Runs from
    before rule 1 stored relative paths; those are taken relative to the directory the run was

@@ -181,3 +181,42 @@ def test_bad_command_lines(tmp_path, corpus, capsys):
     assert "parent directory" in capsys.readouterr().err
     assert main(["export", run, str(tmp_path / "out"), "--format", "hf", "--tokenizer", str(tmp_path / "x.json")]) == 2
     assert "x.json" in capsys.readouterr().err
+
+
+EXPORT_LAYOUTS = {"tp2": ["parallel.tp=2"],
+                  "dist-optimizer": ["parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"],
+                  "zero3": ["parallel.data_parallel=deepspeed", "parallel.zero_stage=3"]}
+
+
+def _train_layouts(rank, world_size, tmp, corpus):
+    from trainer_helpers import partition_everything_under_zero3
+
+    partition_everything_under_zero3()
+    out = {}
+    for layout, extra in EXPORT_LAYOUTS.items():
+        config, over = tiny_config("baseline")
+        cfg = load_config(config, over + run_overrides(tmp, corpus, **{
+            "train.run_dir": f"{tmp}/{layout}", "train.max_steps": 2, "checkpoint.every": 2,
+            "model.n_kv_heads": 2}) + extra)
+        trainer = Trainer(cfg, log=lambda *_: None)
+        trainer.fit()
+        model_sd, _ = trainer.engine.get_state()
+        out[layout] = {k: v.detach().numpy().copy() for k, v in model_sd.items()}
+    return out
+
+
+def test_checkpoints_of_every_layout_export_their_weights(tmp_path, corpus):
+    pytest.importorskip("megatron.core", reason="tensor parallelism needs megatron-core")
+    pytest.importorskip("deepspeed", reason="ZeRO-3 needs DeepSpeed")
+    from distributed import run_ranks
+
+    trained = run_ranks(_train_layouts, 2, args=(str(tmp_path), corpus), env={"DS_ACCELERATOR": "cpu"},
+                        timeout=600)[0]
+    for layout, weights in trained.items():
+        out = str(tmp_path / f"{layout}-folder")
+        export(str(tmp_path / layout), out, log=quiet)
+        model = load_folder(out, log=quiet)[0]
+        got = model.state_dict()
+        assert sorted(got) == sorted(weights), layout
+        for name, value in weights.items():
+            assert torch.equal(got[name], torch.from_numpy(value)), (layout, name)
