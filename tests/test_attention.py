@@ -269,3 +269,116 @@ def test_windowed_attention_compiles_with_fullgraph():
     out = compiled(q, k, v, doc_ids)
     out.sum().backward()
     torch.testing.assert_close(out, fn(q, k, v, doc_ids))
+
+
+# --- grouped-query attention: k and v with H_kv heads, query head h reading kv head h // (H / H_kv) --
+
+
+def gqa_qkv(B, H, H_kv, Tq, Tk, Dh, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, heads, T, Dh, generator=g, dtype=torch.float64, requires_grad=True)
+            for heads, T in ((H, Tq), (H_kv, Tk), (H_kv, Tk))]
+
+
+@pytest.mark.parametrize("H,H_kv", [(6, 2), (6, 1), (6, 3), (4, 2)])
+@pytest.mark.parametrize("T", [1, 7, 33])
+@pytest.mark.parametrize("docs", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_gqa_sdpa_matches_reference(H, H_kv, T, docs, window):
+    B, Dh = 3, 4
+    q, k, v = gqa_qkv(B, H, H_kv, T, T, Dh, seed=H_kv + T)
+    doc_ids = packed_doc_ids(B, T) if docs else None
+    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, doc_ids, 0.37, window), q, k, v)
+    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, doc_ids, 0.37, window=window), q, k, v)
+    assert [t.shape[1] for t in fast] == [H, H, H_kv, H_kv]  # dk, dv have the kv heads' shape
+    assert_same(fast, ref)
+
+
+@pytest.mark.parametrize("H_kv", [1, 2, 3])
+def test_gqa_reference_is_mha_on_repeated_heads(H_kv):
+    """Against plain multi-head attention on k and v whose head h is built as kv head h // (H / H_kv)
+    (not with repeat_interleave, which the reference itself uses): outputs and every gradient, the
+    kv gradients summed over the query heads sharing them by autograd through the copies."""
+    B, H, T, Dh = 2, 6, 9, 4
+    q, k, v = gqa_qkv(B, H, H_kv, T, T, Dh, seed=H_kv)
+    doc_ids = packed_doc_ids(B, T)
+    group = H // H_kv
+
+    def repeated(t):
+        return torch.stack([t[:, h // group] for h in range(H)], dim=1)
+
+    gqa = output_and_grads(lambda q, k, v: reference.attention(q, k, v, doc_ids), q, k, v)
+    mha = output_and_grads(lambda q, k, v: reference.attention(q, repeated(k), repeated(v), doc_ids), q, k, v)
+    assert_same(gqa, mha)
+    if H_kv > 1:  # the grouping matters: another assignment of query heads to kv heads answers differently
+        shuffled = torch.stack([k[:, h % H_kv] for h in range(H)], dim=1)
+        other = reference.attention(q, shuffled, torch.stack([v[:, h % H_kv] for h in range(H)], dim=1), doc_ids)
+        assert not torch.allclose(other, gqa[0])
+
+
+@pytest.mark.parametrize("path", attn.PATHS)
+@pytest.mark.parametrize("offset,Tq", [(0, 1), (6, 1), (6, 4), (20, 13)])
+@pytest.mark.parametrize("window", [None, 3])
+def test_gqa_cached_attention_equals_the_tail_of_full_attention(path, offset, Tq, window):
+    B, H, H_kv, Dh = 2, 6, 2, 4
+    Tk = offset + Tq
+    q_full, k, v = gqa_qkv(B, H, H_kv, Tk, Tk, Dh, seed=offset + Tq)
+    q = q_full.detach()[:, :, offset:].requires_grad_()
+    attn.use_path(path)
+    dec = output_and_grads(lambda q, k, v: attn.cached_attention(q, k, v, offset, window=window), q, k, v)
+    assert attn.paths_used() == {path}
+    grad_full = torch.cat([torch.zeros(B, H, offset, Dh, dtype=torch.float64), cotangent(dec[0].shape)], dim=2)
+    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v, window=window), q_full, k, v,
+                                       grad_full)
+    assert_same(dec, [out[:, :, offset:], dq[:, :, offset:], dk, dv])
+
+
+@pytest.mark.parametrize("docs", [False, True])
+def test_gqa_sdpa_dropout_equals_dropout_on_repeated_heads(docs):
+    """SDPA's enable_gqa with dropout_p: the same dropped probabilities (same seed) and gradients as
+    SDPA on k and v expanded to every query head; dropout really acts."""
+    B, H, H_kv, T, Dh = 2, 6, 2, 11, 4
+    q, k, v = gqa_qkv(B, H, H_kv, T, T, Dh, seed=9)
+    doc_ids = packed_doc_ids(B, T) if docs else None
+
+    def seeded(fn):
+        def run(q, k, v):
+            torch.manual_seed(123)
+            return fn(q, k, v)
+        return run
+
+    gqa = output_and_grads(seeded(lambda q, k, v: sdpa.attention(q, k, v, doc_ids, dropout_p=0.3)), q, k, v)
+    mha = output_and_grads(seeded(lambda q, k, v: sdpa.attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), doc_ids, dropout_p=0.3)), q, k, v)
+    assert_same(gqa, mha)
+    assert not torch.allclose(gqa[0], sdpa.attention(q, k, v, doc_ids).detach())
+
+
+@pytest.mark.parametrize("path", attn.PATHS)
+@pytest.mark.parametrize("heads", [(6, 4), (4, 3), (2, 4)])
+def test_kv_heads_that_do_not_divide_the_query_heads_are_refused(path, heads):
+    H, H_kv = heads
+    q, k, v = (t.detach() for t in gqa_qkv(1, H, H_kv, 4, 4, 2))
+    attn.use_path(path)
+    message = rf"key and value heads \({H_kv}, {H_kv}\) must be equal and divide the {H} query heads"
+    with pytest.raises(ValueError, match=message):
+        attn.attention(q, k, v)
+    with pytest.raises(ValueError, match=message):
+        attn.cached_attention(q, k, v, 0)
+    with pytest.raises(ValueError, match=r"key and value heads \(2, 1\)"):
+        attn.attention(q, k[:, :2], v[:, :1])
+
+
+def test_gqa_compiles_with_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = (t.detach().float().requires_grad_() for t in gqa_qkv(2, 6, 2, 7, 7, 4))
+    doc_ids = packed_doc_ids(2, 7)
+
+    def fn(q, k, v, doc_ids):
+        return attn.attention(q, k, v) + attn.attention(q, k, v, doc_ids, window=3) + attn.cached_attention(q, k, v, 0)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, doc_ids)
+    out.sum().backward()
+    torch.testing.assert_close(out, fn(q, k, v, doc_ids))
+    assert k.grad.shape == k.shape

@@ -1,5 +1,6 @@
 """Transformer++ baseline: exact parameter counts, streaming decode equal to the parallel forward,
-document masking, and the loss."""
+document masking, the loss, and grouped-query attention (model.n_kv_heads) in one process and under
+tensor parallelism."""
 import pytest
 import torch
 
@@ -105,7 +106,10 @@ def test_bf16_forward_and_backward_run_on_cpu():
 @pytest.mark.parametrize(
     "kw, message",
     [(dict(d_model=30), "not divisible by model.n_heads"), (dict(n_layers=0), "model.n_layers must be positive"),
-     (dict(d_model=36, n_heads=12), "must be even for RoPE")],
+     (dict(d_model=36, n_heads=12), "must be even for RoPE"),
+     (dict(n_kv_heads=3), "model.n_kv_heads 3 must divide model.n_heads 4"),
+     (dict(n_kv_heads=8), "model.n_kv_heads 8 must divide model.n_heads 4"),
+     (dict(n_kv_heads=-2), "model.n_kv_heads -2 must divide model.n_heads 4")],
 )
 def test_bad_model_config_is_refused(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -140,3 +144,113 @@ def test_sliding_window_limits_attention_and_decode_follows_it():
         assert not torch.allclose(SPEC.logits(unwindowed, changed)[:, -1], SPEC.logits(unwindowed, tokens)[:, -1])
     with pytest.raises(ValueError, match="model.window must be >= 0"):
         tiny(window=-1).validate()
+
+
+# --- grouped-query attention: model.n_kv_heads key/value heads shared by the n_heads query heads ---
+
+
+@pytest.mark.parametrize("n_kv_heads", [2, 1])
+def test_gqa_cached_decode_equals_full_forward(n_kv_heads):
+    torch.manual_seed(4)
+    model = SPEC.build(tiny(n_kv_heads=n_kv_heads)).double().eval()
+    tokens = torch.randint(0, 97, (3, 19))
+    with torch.no_grad():
+        full = SPEC.logits(model, tokens)
+        state = SPEC.new_state(model, 3)
+        pieces = [SPEC.step(model, tokens[:, :7], state)[0]]
+        for t in range(7, 19):
+            pieces.append(SPEC.step(model, tokens[:, t : t + 1], state)[0])
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-10)
+    # the cache holds the kv heads only: GQA's decode memory saving
+    assert all(t.shape == (3, n_kv_heads, 64, 8) for t in state.k + state.v)
+
+
+def test_gqa_changes_the_model():
+    """Fewer kv heads give another function (not a relabelled MHA); n_kv_heads = n_heads is the
+    default model itself (same draws, same names, same outputs)."""
+    tokens = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for kv in (0, 4, 2):
+        torch.manual_seed(5)
+        model = SPEC.build(tiny(n_kv_heads=kv)).double().eval()
+        with torch.no_grad():
+            outs[kv] = (model.state_dict(), SPEC.logits(model, tokens))
+    assert outs[0][0].keys() == outs[4][0].keys()
+    assert all(torch.equal(outs[0][0][k], outs[4][0][k]) for k in outs[0][0])
+    assert torch.equal(outs[0][1], outs[4][1])
+    assert not torch.allclose(outs[2][1], outs[0][1])
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2, 1])
+def test_gqa_parameter_count_and_flops(n_kv_heads):
+    d, L, head_dim = 32, 2, 8
+    model = SPEC.build(tiny(n_kv_heads=n_kv_heads))
+    attn = model.blocks[0].attn
+    assert attn.q.weight.shape == (d, d) and attn.kv.weight.shape == (2 * n_kv_heads * head_dim, d)
+    assert {k for k in model.state_dict() if k.startswith("blocks.0.attn.")} == {
+        "blocks.0.attn.q.weight", "blocks.0.attn.kv.weight", "blocks.0.attn.proj.weight"}
+    mha = count_parameters(SPEC.build(tiny()))["total"]
+    fewer = L * 2 * d * (4 - n_kv_heads) * head_dim  # k and v lose (4 - n_kv_heads) heads of d x head_dim
+    assert count_parameters(model)["total"] == mha - fewer
+    flops = SPEC.flops_per_token(tiny(n_kv_heads=n_kv_heads), 16)
+    assert flops == SPEC.flops_per_token(tiny(), 16) - 6.0 * fewer  # matmul weights only: the head is tied
+    assert "2 d d_kv" in SPEC.flops_formula and "n_kv_heads" in SPEC.flops_formula
+
+
+def test_tensor_parallelism_must_divide_the_kv_heads():
+    from pretrain.config import ConfigError, load_config
+
+    with pytest.raises((ConfigError, ValueError), match="parallel.tp=2 does not divide model.n_kv_heads = 1"):
+        load_config("baseline/tiny", ["parallel.tp=2", "model.n_kv_heads=1"], check_data=False)
+    assert load_config("baseline/tiny", ["parallel.tp=2", "model.n_kv_heads=2"], check_data=False).model.kv_heads == 2
+    assert SPEC.tp_dims(tiny())["model.n_kv_heads"] == 4  # 0: as many as n_heads
+
+
+def _gqa_model_and_batch():
+    """A tiny GQA model (4 query heads, 2 kv heads) from seed 0, in float64, and a fixed packed batch."""
+    torch.manual_seed(0)
+    model = SPEC.build(tiny(vocab_size=96, n_kv_heads=2, document_mask=True)).double()  # TP2 splits the vocabulary
+    samples = torch.randint(3, 96, (2, 17), generator=torch.Generator().manual_seed(1)).numpy()
+    samples[1, 6] = 2  # an EOD: two documents in the second row
+    doc_ids = (samples == 2).cumsum(1) - (samples == 2)
+    return model, collate((samples, doc_ids.astype("int32")), eod_id=2)
+
+
+def _tp_loss_and_grads(rank, world_size):
+    import parallel.mesh as mesh
+    from parallel.engine import gather_full
+    from parallel.layers import is_tensor_parallel
+    from pretrain.config import ParallelConfig
+
+    mesh.setup_layout(ParallelConfig(tp=world_size))
+    try:
+        model, batch = _gqa_model_and_batch()
+        kv = model.blocks[0].attn.kv.weight
+        local_kv_heads = kv.shape[0] // (2 * 8)
+        loss, _ = model(batch)
+        loss.backward()
+        grads = {n: gather_full(p.grad, p) if is_tensor_parallel(p) else p.grad for n, p in model.named_parameters()}
+        return loss.item(), {n: g.numpy() for n, g in grads.items()}, local_kv_heads
+    finally:
+        mesh.teardown_layout()
+
+
+def test_gqa_under_tensor_parallelism_equals_one_process():
+    """TP2 splits the 2 kv heads (one per rank, k and v each) with the 4 query heads (two per rank):
+    the loss and every gradient, gathered, equal one process's."""
+    pytest.importorskip("megatron.core", reason="tensor parallelism needs megatron-core")
+    from distributed import run_ranks
+
+    model, batch = _gqa_model_and_batch()
+    loss, _ = model(batch)
+    loss.backward()
+    want = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    results = run_ranks(_tp_loss_and_grads, 2, env={"DS_ACCELERATOR": "cpu"}, timeout=300)
+    for tp_loss, grads, local_kv_heads in results:
+        assert local_kv_heads == 1
+        # float64 everywhere but megatron's head, which makes float32 logits: ~1e-8 differences
+        assert tp_loss == pytest.approx(loss.item(), rel=1e-6)
+        assert grads.keys() == want.keys()
+        for name, g in want.items():
+            torch.testing.assert_close(torch.from_numpy(grads[name]), torch.from_numpy(g), rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"{name}: {m}")

@@ -37,6 +37,8 @@ def test_overrides_are_typed_and_round_trip():
         (["model.d_model=30"], "model.d_model 30 is not divisible by model.n_heads"),
         (["train.micro_batch_seqs=3"], "train.global_batch_seqs 16 is not divisible by train.micro_batch_seqs 3"),
         (["parallel.tp=3"], r"parallel.tp=3 does not divide model.n_heads = 4"),
+        (["parallel.tp=2", "model.n_kv_heads=1"], r"parallel.tp=2 does not divide model.n_kv_heads = 1"),
+        (["model.n_kv_heads=3"], r"model.n_kv_heads 3 must divide model.n_heads 4 \(or be 0 for n_heads\)"),
         (["parallel.pp=2"], "parallel.pp=2 is not supported yet"),
         (["parallel.sp=true"], "parallel.sp=true splits the sequence over the tensor-parallel group: it needs"),
         (["parallel.zero_stage=2"], "parallel.zero_stage=2 needs parallel.data_parallel=deepspeed"),
@@ -108,13 +110,13 @@ def test_cli_info_json_and_help():
     import json
 
     info = json.loads(out)
-    assert info.pop("flops_formula").startswith("6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T")
+    assert info.pop("flops_formula").startswith("6 * (L * (2 d^2 + 2 d d_kv + 3 d f) + V d) + 12 * L * d * T")
     assert info == {"params_total": 53_027_328, "params_embedding": 50304 * 512,
                     "params_non_embedding": 53_027_328 - 50304 * 512,
                     "flops_per_token": 6.0 * (8 * 13 * 512 * 512 + 50304 * 512) + 12.0 * 8 * 512 * 4096}
     text = subprocess.run([sys.executable, "-m", "pretrain.cli", "info", "baseline/xs"],
                           capture_output=True, text=True, check=True).stdout
-    assert "FLOPs per token = 6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T" in text  # the registry's text
+    assert "FLOPs per token = 6 * (L * (2 d^2 + 2 d d_kv + 3 d f) + V d) + 12 * L * d * T" in text  # the registry's
     bad = subprocess.run([sys.executable, "-m", "pretrain.cli", "info", "baseline/xs", "optim.lrr=1"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "optim.lrr" in bad.stderr

@@ -55,7 +55,7 @@ def parallel(model, tokens, K):
 
 @pytest.mark.parametrize("variant", [dict(), dict(block="llama"), dict(correction="concat"),
                                      dict(correction="blind"), dict(correction="block_head"), dict(pre_ffn=True),
-                                     dict(window=3)])
+                                     dict(window=3), dict(n_kv_heads=2), dict(block="llama", n_kv_heads=1)])
 def test_streaming_equals_parallel_at_T_plus_1_and_the_first_K_minus_1_positions(variant):
     model, tokens = model_of(**variant), tokens_of(T=9)
     seq = streamed(model, tokens)
@@ -145,12 +145,13 @@ def test_conversion_refuses_another_width_depth_vocabulary_or_block():
 
 
 @pytest.mark.parametrize("window", [0, 3])
-def test_bptt_gradients_equal_the_parallel_forward_at_K_T_plus_1(window):
+@pytest.mark.parametrize("n_kv_heads", [0, 2])
+def test_bptt_gradients_equal_the_parallel_forward_at_K_T_plus_1(window, n_kv_heads):
     tokens = tokens_of(T=8)
     labels = tokens.roll(-1, 1)
 
     def grads(K):
-        model = model_of(window=window)
+        model = model_of(window=window, n_kv_heads=n_kv_heads)
         model.cfg.eval_k = K
         positions = torch.arange(8).expand_as(tokens)
         z = model.recurrence(tokens, positions) if K is None else model.passes(tokens, positions, None, K)[0]
@@ -314,6 +315,40 @@ def test_the_paper_formula_count():
     assert paper_formula_params(cfg) == 214_958_080  # spec §3.1: D 12C^2 + 8C^2 + 2VC
     roformer = dataclasses.replace(cfg, correction="none", k_max=1, k_min=0, n_layers=6, d_model=1088)
     assert paper_formula_params(roformer) == 154_861_568
+    gqa = dataclasses.replace(cfg, n_kv_heads=4)  # k and v of 4 heads of 128 instead of 16
+    assert paper_formula_params(gqa) == 214_958_080 - 2 * 2048 * (2048 - 4 * 128)
+    assert flops_per_token(gqa, 64) < flops_per_token(cfg, 64)
+
+
+def test_gqa_crt_caches_kv_heads_converts_and_sizes_bptt():
+    """model.n_kv_heads in CRT: the decode state holds the kv heads; a GQA baseline converts into a
+    llama-block CRT with the same function, and a mismatch is refused by its field; BPTT's memory
+    estimate counts the kv heads."""
+    state = model_of(n_kv_heads=2).new_state(3)
+    assert all(t.shape == (3, 2, 64, 8) for t in state.k + state.v)
+
+    tokens = tokens_of(T=12)
+    scfg = load_config("baseline/tiny", [f"model.vocab_size={V}", f"model.d_model={C}", "model.n_layers=2",
+                                         "model.n_heads=4", "model.n_kv_heads=2"], check_data=False).model
+    torch.manual_seed(0)
+    src = get_arch("baseline").build(scfg).double().eval()
+    with torch.no_grad():
+        want = src.logits(tokens)
+    llama = dict(block="llama", tie_embeddings=True, norm_eps=scfg.norm_eps)
+    model = _converted("baseline", scfg, src, n_kv_heads=2, **llama)
+    torch.testing.assert_close(parallel(model, tokens, 3), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(streamed(model, tokens), want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="model.n_kv_heads=2 into a CRT with model.n_kv_heads=0: set it to 2"):
+        convert("baseline", scfg, src.state_dict(), cfg_of(**llama))
+    mha = dataclasses.replace(scfg, n_kv_heads=0)
+    torch.manual_seed(0)
+    convert("baseline", mha, get_arch("baseline").build(mha).state_dict(), cfg_of(n_kv_heads=4, **llama))  # 0 = 4
+
+    bptt = ["model.train_mode=bptt", "data.seq_len=256", "train.micro_batch_seqs=16", "model.d_model=2048",
+            "model.n_heads=16", "data.train=[x]"]
+    with pytest.raises((ConfigError, ValueError), match="would keep about 32.1 GB"):
+        load_config("crt/tiny", bptt, check_data=False)
+    load_config("crt/tiny", bptt + ["model.n_kv_heads=1"], check_data=False)  # 2 x 128 + 16 per key: ~2.1 GB
 
 
 def test_a_short_training_run_logs_K_and_the_contraction_and_its_loss_falls(tmp_path):

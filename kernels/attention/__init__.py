@@ -3,6 +3,10 @@
     attention(q, k, v, doc_ids=None, scale=None, window=None)      training and prefill, [B, H, T, Dh]
     cached_attention(q, k, v, offset, scale=None, window=None)     decode: Tq queries after `offset` cached tokens
 
+k and v may have fewer heads than q (grouped-query attention, [B, H_kv, T, Dh] with H_kv dividing H):
+query head h reads key/value head h // (H / H_kv), as in Llama and Hugging Face; a head count that does
+not divide is a ValueError.
+
 `window` (None = unlimited) is a sliding window: the query at position t sees keys at positions s
 with t - window < s <= t, so it counts the keys a query sees, itself included. It combines with the
 causal and the document masks.
@@ -71,7 +75,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, sc
               window: int | None = None, dropout_p: float = 0.0) -> Tensor:
     """Causal attention [B, H, T, Dh] -> [B, H, T, Dh]; tokens attend within their document when
     doc_ids [B, T] is given, and to at most `window` keys (themselves included) when window is given;
-    scale defaults to 1/sqrt(Dh); dropout_p drops attention probabilities (pass 0 outside training)."""
+    scale defaults to 1/sqrt(Dh); dropout_p drops attention probabilities (pass 0 outside training).
+    k and v may be [B, H_kv, T, Dh] with H_kv dividing H (grouped-query attention)."""
     name = _pick(q)
     _record(name)
     if name == "reference":
@@ -82,8 +87,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, sc
 def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None,
                      window: int | None = None) -> Tensor:
     """Streaming decode: queries [B, H, Tq, Dh] at positions offset .. offset+Tq-1 attend causally to
-    keys and values [B, H, offset+Tq, Dh] (the cache followed by the new tokens), within the last
-    `window` positions when window is given. A caller may keep only the last window-1 cached keys:
+    keys and values [B, H or H_kv, offset+Tq, Dh] (the cache followed by the new tokens), within the
+    last `window` positions when window is given. A caller may keep only the last window-1 cached keys:
     then it passes the offset into that trimmed cache (the mask depends only on relative positions)."""
     name = _pick(q)
     _record(name)

@@ -4,11 +4,15 @@ Deliberately naive and independent of torch's SDPA: explicit scores, an explicit
 explicit softmax. It computes in the input dtype, so float64 inputs give a float64 answer that the
 fast paths are compared with.
 
-Shapes follow SDPA: q [B, H, Tq, Dh], k and v [B, H, Tk, Dh]. Queries sit at absolute positions
-offset .. offset+Tq-1 (offset > 0 in streaming decode, after that many cached tokens), keys at
-0 .. Tk-1. Query i attends to key j when j <= offset + i, when j > offset + i - window if a sliding
-`window` is given (it counts the keys a query sees, itself included), and, if `doc_ids` [B, Tk] is
-given, when both tokens belong to the same document of the packed sample.
+Shapes follow SDPA: q [B, H, Tq, Dh], k and v [B, H_kv, Tk, Dh], where grouped-query attention (GQA)
+has fewer key/value heads than query heads (H_kv dividing H): query head h reads key/value head
+h // (H / H_kv), the Llama / Hugging Face convention (k and v repeat_interleave'd over heads).
+
+Queries sit at absolute positions offset .. offset+Tq-1 (offset > 0 in streaming decode, after that
+many cached tokens), keys at 0 .. Tk-1. Query i attends to key j when j <= offset + i, when
+j > offset + i - window if a sliding `window` is given (it counts the keys a query sees, itself
+included), and, if `doc_ids` [B, Tk] is given, when both tokens belong to the same document of the
+packed sample.
 """
 from __future__ import annotations
 
@@ -19,6 +23,15 @@ from torch import Tensor
 def check_window(window: int | None) -> None:
     if window is not None and window < 1:
         raise ValueError(f"attention window={window} must be at least 1 (it counts the query's own key)")
+
+
+def check_heads(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """The number of query heads sharing each key/value head (1 without GQA)."""
+    H, H_kv = q.shape[-3], k.shape[-3]
+    if v.shape[-3] != H_kv or H_kv < 1 or H % H_kv:
+        raise ValueError(f"attention: key and value heads ({H_kv}, {v.shape[-3]}) must be equal and divide the "
+                         f"{H} query heads")
+    return H // H_kv
 
 
 def allowed_mask(Tq: int, Tk: int, offset: int = 0, doc_ids: Tensor | None = None,
@@ -47,7 +60,10 @@ def document_causal_mask(doc_ids: Tensor) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
               offset: int = 0, window: int | None = None, dropout_p: float = 0.0) -> Tensor:
     """softmax(q k^T * scale, masked) v, [B, H, Tq, Dh] -> [B, H, Tq, Dh]; scale defaults to 1/sqrt(Dh);
-    dropout_p drops probabilities (inverted dropout, as SDPA's)."""
+    dropout_p drops probabilities (inverted dropout, as SDPA's). k and v may have fewer heads (GQA)."""
+    group = check_heads(q, k, v)
+    if group > 1:  # GQA by definition: each key/value head serves `group` consecutive query heads
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     scores = (q @ k.transpose(-2, -1)) * scale

@@ -2,8 +2,9 @@
 
 Pre-norm decoder: h = h + Attn(RMSNorm(h)); h = h + SwiGLU(RMSNorm(h)); a final RMSNorm and an
 output head tied to the embedding. RoPE on q and k, no biases, optional document masking from the
-sample's doc_ids. Initialisation follows the SPS paper's code (spec-001 section 2.1): N(0, 0.02)
-everywhere, the attention output projection scaled by 1/sqrt(2L), norms at one.
+sample's doc_ids, optional grouped-query attention (model.n_kv_heads: fewer key/value heads than
+query heads, a smaller KV cache in decode). Initialisation follows the SPS paper's code (spec-001
+section 2.1): N(0, 0.02) everywhere, the attention output projection scaled by 1/sqrt(2L), norms at one.
 
 Linears, the embedding and the loss come from parallel.layers, so this file is the same at any
 tensor-parallel size; attention goes through kernels.attention.
@@ -30,6 +31,7 @@ class BaselineConfig(ModelConfig):
     d_model: int = 512
     n_layers: int = 8
     n_heads: int = 8
+    n_kv_heads: int = 0  # key/value heads, dividing n_heads (grouped-query attention); 0 means n_heads
     ffn_hidden: int = 0  # 0 means 3 * d_model, as in the SPS paper
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -46,6 +48,10 @@ class BaselineConfig(ModelConfig):
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
     def validate(self) -> None:
         super().validate()
         for name in ("d_model", "n_layers", "n_heads"):
@@ -55,6 +61,9 @@ class BaselineConfig(ModelConfig):
             raise ValueError(f"model.ffn_hidden must be positive (or 0 for 3 * d_model), got {self.ffn_hidden}")
         if self.d_model % self.n_heads:
             raise ValueError(f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads}")
+        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_kv_heads {self.n_kv_heads} must divide model.n_heads {self.n_heads} "
+                             "(or be 0 for n_heads)")
         if self.head_dim % 2:
             raise ValueError(f"model head dimension d_model / n_heads = {self.head_dim} must be even for RoPE")
         if self.window < 0:
@@ -68,14 +77,20 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.dropout = cfg.head_dim, dropout  # dropout: of attention probabilities, in training
         self.window = cfg.window or None
-        self.qkv = ColumnLinear(cfg.d_model, 3 * cfg.d_model, bias, init_std=cfg.init_std, stacked=3)  # q | k | v
+        # q, then k | v (fewer heads under GQA). Created in this order, they draw from the generator what
+        # the fused q | k | v projection they replace did when d_model^2 is a multiple of 16 (normal_
+        # fills blocks of 16), so MHA models start from the same weights as before the split.
+        self.q = ColumnLinear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias, init_std=cfg.init_std)
+        self.kv = ColumnLinear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, bias, init_std=cfg.init_std,
+                               stacked=2)  # k | v: TP gives every rank whole heads of both
         # the output projection's init scales with the effective depth (block applications per token)
         self.proj = RowLinear(cfg.d_model, cfg.d_model, bias, init_std=cfg.init_std / math.sqrt(2 * depth))
 
     def forward(self, x, cos, sin, doc_ids, cache=None, layer: int = 0) -> Tensor:
         # Shapes come from the projection's output: under tensor/sequence parallelism it holds this
         # rank's heads and the whole sequence while x may hold a slice of the sequence.
-        q, k, v = self.qkv(x).unflatten(-1, (3, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
+        q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+        k, v = self.kv(x).unflatten(-1, (2, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = attention(q, k, v, doc_ids, window=self.window, dropout_p=self.dropout if self.training else 0.0)
@@ -123,19 +138,21 @@ class TransformerPP(Decoder):
 def flops_per_token(cfg: BaselineConfig, seq_len: int, ctx=None, depth: int | None = None) -> float:
     """Training FLOPs per token (FLOPS_FORMULA); `depth` block applications (default n_layers)."""
     d, L = cfg.d_model, cfg.n_layers if depth is None else depth
-    matmul_params = L * (4 * d * d + 3 * d * cfg.ffn) + cfg.vocab_size * d
+    attn_params = 2 * d * d + 2 * d * cfg.kv_heads * cfg.head_dim  # q and output, k and v
+    matmul_params = L * (attn_params + 3 * d * cfg.ffn) + cfg.vocab_size * d
     span = min(seq_len, cfg.window) if cfg.window else seq_len  # keys a query attends to, at most
     return 6.0 * matmul_params + 12.0 * L * d * span
 
 
-FLOPS_FORMULA = ("6 * (L * (4 d^2 + 3 d f) + V d) + 12 * L * d * T: forward x 3 (forward plus backward), 2 FLOPs "
-                 "per multiply-add, the output head included, attention scores and values at full length T, "
-                 "or at the window when model.window < T "
-                 "(L block applications, width d, FFN width f, vocabulary V)")
+FLOPS_FORMULA = ("6 * (L * (2 d^2 + 2 d d_kv + 3 d f) + V d) + 12 * L * d * T: forward x 3 (forward plus "
+                 "backward), 2 FLOPs per multiply-add, the output head included, attention scores and values at "
+                 "full length T, or at the window when model.window < T (L block applications, width d, key/value "
+                 "width d_kv = n_kv_heads * head_dim, d without GQA, FFN width f, vocabulary V)")
 
 
 def tp_dims(cfg: BaselineConfig) -> dict[str, int]:
-    return {"model.n_heads": cfg.n_heads, "model.ffn_hidden": cfg.ffn, "model.vocab_size": cfg.vocab_size}
+    return {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.kv_heads, "model.ffn_hidden": cfg.ffn,
+            "model.vocab_size": cfg.vocab_size}
 
 
 SPEC = register(ArchSpec(

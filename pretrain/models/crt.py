@@ -117,9 +117,10 @@ class CRTConfig(baseline.BaselineConfig):
                              "parallel.recompute=none with model.train_mode=bptt")
         if p.sp:
             raise ValueError("parallel.sp=true splits the sequence, which BPTT feeds one token at a time")
-        # Autograd keeps, per step and layer, the keys and values attended to and the probabilities.
+        # Autograd keeps, per step and layer, the keys and values attended to (kv_heads of them: SDPA
+        # keeps GQA's k and v unexpanded; the reference path would expand them) and the probabilities.
         keys = min(T, self.window or T)
-        need = B * self.n_layers * T * keys * (2 * self.d_model + self.n_heads) * 4 / max(p.tp, 1)
+        need = B * self.n_layers * T * keys * (2 * self.kv_heads * self.head_dim + self.n_heads) * 4 / max(p.tp, 1)
         if need > self.bptt_memory_gb * 2**30:
             raise ValueError(f"model.train_mode=bptt at data.seq_len={T} and train.micro_batch_seqs={B} would keep "
                              f"about {need / 2**30:.1f} GB of activations per rank, over model.bptt_memory_gb="
@@ -313,7 +314,7 @@ class CRT(Decoder):
 
     def new_state(self, batch_size: int) -> CRTState:
         p, cfg = self.embed.weight, self.cfg
-        state = CRTState(cfg.n_layers, batch_size, cfg.n_heads, cfg.max_seq_len, cfg.head_dim, p.device, p.dtype)
+        state = CRTState(cfg.n_layers, batch_size, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim, p.device, p.dtype)
         state.z_prev = state.x_prev = torch.zeros(batch_size, 1, cfg.d_model, device=p.device, dtype=p.dtype)
         return state
 
@@ -383,8 +384,10 @@ def contraction(c: list[Tensor], K: int, doc_ids: Tensor | None = None) -> dict[
 
 
 def block_params(cfg: CRTConfig) -> int:
-    """Matmul weights of one block: attention 4C^2, FFN 2CF (GELU) or 3CF (SwiGLU)."""
-    return 4 * cfg.d_model ** 2 + (2 if cfg.block == "paper" else 3) * cfg.d_model * cfg.ffn
+    """Matmul weights of one block: attention 2C^2 + 2C C_kv (q and output, k and v; 4C^2 without
+    GQA), FFN 2CF (GELU) or 3CF (SwiGLU)."""
+    C = cfg.d_model
+    return 2 * C * C + 2 * C * cfg.kv_heads * cfg.head_dim + (2 if cfg.block == "paper" else 3) * C * cfg.ffn
 
 
 def corr_params(cfg: CRTConfig) -> int:
@@ -413,7 +416,8 @@ def flops_per_token(cfg: CRTConfig, seq_len: int, ctx=None) -> float:
 
 
 FLOPS_FORMULA = ("6 * (K * D * P_block + (K - 1) * P_corr + P_pre + V C) + 12 * K * D * C * T_k: K passes of D "
-                 "blocks (P_block = 4 C^2 + 2 C F, or 3 C F for the llama block), K - 1 corrections (P_corr = "
+                 "blocks (P_block = 2 C^2 + 2 C C_kv + 2 C F, or 3 C F for the llama block; C_kv = n_kv_heads * "
+                 "head_dim, C without GQA), K - 1 corrections (P_corr = "
                  "2 C F, or 3 C F; a 2C-wide first layer for concat), the pre-FFN of roformer-hFFN, the head; "
                  "attention at T_k = min(T, window) keys; forward x 3, 2 FLOPs per multiply-add; K is the "
                  "step's draw (its mean U{k_min..k_max} for the expected value), 1 with one correction per "
@@ -443,13 +447,14 @@ def convert(source_arch: str, source_cfg, source_state: dict[str, Tensor], targe
         raise ValueError(f"converting into model.correction={target_cfg.correction} would not start from the "
                          "source's function (only a correction FFN with a zero output layer does); use add, blind "
                          "or concat")
-    fields = ("block", "d_model", "n_layers", "n_heads", "ffn", "vocab_size", "tie_embeddings", "norm_eps",
-              "rope_theta", "window", "pre_ffn")
+    fields = ("block", "d_model", "n_layers", "n_heads", "kv_heads", "ffn", "vocab_size", "tie_embeddings",
+              "norm_eps", "rope_theta", "window", "pre_ffn")
     source = dict(zip(fields, [block] + [getattr(source_cfg, f, False) for f in fields[1:]]))
     for name, value in source.items():
         if getattr(target_cfg, name) != value:
-            raise ValueError(f"cannot convert a {source_arch} run with model.{name}={value} into a CRT with "
-                             f"model.{name}={getattr(target_cfg, name)}: set it to {value}")
+            field = "n_kv_heads" if name == "kv_heads" else name  # compared effective (0 = n_heads), named by its field
+            raise ValueError(f"cannot convert a {source_arch} run with model.{field}={value} into a CRT with "
+                             f"model.{field}={getattr(target_cfg, field)}: set it to {value}")
     device = next(iter(source_state.values())).device
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(0)  # the correction's first layer: a fresh init, the same on every rank
@@ -465,7 +470,8 @@ def convert(source_arch: str, source_cfg, source_state: dict[str, Tensor], targe
 
 
 def tp_dims(cfg: CRTConfig) -> dict[str, int]:
-    return {"model.n_heads": cfg.n_heads, "model.ffn_hidden": cfg.ffn, "model.vocab_size": cfg.vocab_size}
+    return {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.kv_heads, "model.ffn_hidden": cfg.ffn,
+            "model.vocab_size": cfg.vocab_size}
 
 
 def _pass_units(model: CRT) -> list[nn.Module]:

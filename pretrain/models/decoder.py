@@ -35,8 +35,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Keys and values for streaming decode, one slot per block application, [B, H, max_len, Dh]
-    each, filled to `length` (a block applied three times per token keeps three slots)."""
+    """Keys and values for streaming decode, one slot per block application, [B, H_kv, max_len, Dh]
+    each (H_kv key/value heads: fewer than the query heads under grouped-query attention), filled to
+    `length` (a block applied three times per token keeps three slots)."""
 
     def __init__(self, slots: int, batch_size: int, heads: int, max_len: int, head_dim: int, device, dtype):
         shape = (batch_size, heads, max_len, head_dim)
@@ -79,8 +80,9 @@ class GradCache:
 class Decoder(nn.Module):
     """embed -> applications() -> norm -> head, with RoPE tables; see the module docstring.
 
-    The config needs vocab_size, d_model, n_heads, head_dim, max_seq_len, rope_theta, norm_eps,
-    tie_embeddings, document_mask and init_std (pretrain/models/baseline.py's BaselineConfig has them).
+    The config needs vocab_size, d_model, n_heads, kv_heads, head_dim, max_seq_len, rope_theta,
+    norm_eps, tie_embeddings, document_mask and init_std (pretrain/models/baseline.py's BaselineConfig
+    has them).
     """
 
     def __init__(self, cfg):
@@ -127,7 +129,7 @@ class Decoder(nn.Module):
 
     def new_state(self, batch_size: int) -> KVCache:
         p, cfg = self.embed.weight, self.cfg
-        return KVCache(len(self.applications()), batch_size, cfg.n_heads, cfg.max_seq_len, cfg.head_dim,
+        return KVCache(len(self.applications()), batch_size, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim,
                        p.device, p.dtype)
 
     def step(self, tokens: Tensor, state: KVCache) -> tuple[Tensor, KVCache]:
