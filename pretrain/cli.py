@@ -161,7 +161,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may follow options (`import SRC OUT --arch crt model.k_max=5`); argparse leaves them over.
+    if extra and hasattr(args, "overrides") and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if argv is None and args.verb in ("train", "eval", "generate"):  # run as the program: before torch loads
         from pretrain.malloc import use_caching_allocator
 

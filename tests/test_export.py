@@ -197,7 +197,7 @@ def _train_layouts(rank, world_size, tmp, corpus):
         config, over = tiny_config("baseline")
         cfg = load_config(config, over + run_overrides(tmp, corpus, **{
             "train.run_dir": f"{tmp}/{layout}", "train.max_steps": 2, "checkpoint.every": 2,
-            "model.n_kv_heads": 2}) + extra)
+            "model.n_kv_heads": 2, "schedule.warmup_steps": 1}) + extra)
         trainer = Trainer(cfg, log=lambda *_: None)
         trainer.fit()
         model_sd, _ = trainer.engine.get_state()

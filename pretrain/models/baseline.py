@@ -22,6 +22,7 @@ from parallel.layers import ColumnLinear, RMSNorm, RowLinear
 from pretrain.models import decoder
 from pretrain.models.base import ModelConfig
 from pretrain.models.decoder import Decoder, apply_rope
+from pretrain.models.hf_llama import ADAPTER as LLAMA
 from pretrain.models.registry import ArchSpec, register
 
 
@@ -166,4 +167,5 @@ SPEC = register(ArchSpec(
     logits=decoder.logits,
     tp_dims=tp_dims,
     recompute_units=lambda model: list(model.blocks),
+    hf=LLAMA,  # transformers' LlamaForCausalLM (pretrain export --format hf, pretrain import)
 ))

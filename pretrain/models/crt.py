@@ -502,6 +502,7 @@ SPEC = register(ArchSpec(
         "pipeline stages would idle K - 1 times out of K")}),
     tp_dims=tp_dims,
     convert=convert,
+    convert_fields=lambda source_arch, source_cfg: {"block": "llama"} if source_arch == "baseline" else {},
     # pass: keep only each pass's input and recompute the pass (memory ~K B T C plus one pass);
     # block: keep each block's input in each pass (K D B T C plus one block)
     recompute_units={"pass": _pass_units, "block": _block_units},
