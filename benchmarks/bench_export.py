@@ -5,8 +5,9 @@
 Trains the config one step on a synthetic corpus (so the checkpoint holds optimizer state too, as a
 real one does), then, each in its own process: `pretrain export` (native), `pretrain export --format
 hf`, load_folder() of the native folder, and load_for_inference() of the run for comparison. Memory
-is the process's peak RSS above its RSS once torch and the code are imported, in units of the
-weights' size: export must stay under 2.0 (the loaded checkpoint plus at most one more copy).
+is the process's peak RSS (VmHWM) above its RSS once torch and the code are imported, in units of
+the weights' size: export must stay under 2.0 (the loaded checkpoint plus at most one more copy).
+Pages of a memory-mapped file that is read count as resident too (load_folder maps the folder).
 """
 from __future__ import annotations
 
@@ -21,17 +22,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 MEASURE = """
-import json, resource, sys, time
+import json, sys, time
 import torch
 from pretrain.export.writer import export
 from pretrain.export.loader import load_folder
 from pretrain.generate import load_for_inference
 import pretrain.models, pretrain.checkpoint, safetensors.torch
 pretrain.models.all_archs()
-def rss_mb():
+def status_mb(key):  # VmHWM, unlike ru_maxrss, starts afresh at exec (not the parent's peak)
     with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
-start = rss_mb()
+        return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1024
+start = status_mb("VmRSS")
 t0 = time.perf_counter()
 what, a, b = sys.argv[1:4]
 if what == "export":
@@ -43,7 +44,7 @@ elif what == "load_folder":
 else:
     model = load_for_inference(a, log=lambda *_: None)[0]
 seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = status_mb("VmHWM")
 print(json.dumps({"seconds": seconds, "start_mb": start, "peak_mb": peak}))
 """
 
