@@ -177,8 +177,11 @@ def test_bad_command_lines(tmp_path, corpus, capsys):
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "does not exist" in capsys.readouterr().err
     run = train(tmp_path, corpus)
-    assert main(["export", run, str(tmp_path / "no" / "out")]) == 2
-    assert "parent directory" in capsys.readouterr().err
+    assert main(["export", run, str(tmp_path / "new" / "dir" / "out")]) == 0  # parents are created
+    assert os.path.isfile(tmp_path / "new" / "dir" / "out" / WEIGHTS_FILE)
+    (tmp_path / "file").write_text("x")
+    assert main(["export", run, str(tmp_path / "file" / "out")]) == 2
+    assert "is a file, so" in capsys.readouterr().err
     assert main(["export", run, str(tmp_path / "out"), "--format", "hf", "--tokenizer", str(tmp_path / "x.json")]) == 2
     assert "x.json" in capsys.readouterr().err
 

@@ -76,14 +76,16 @@ def tied_aliases(arch: str, model_cfg) -> dict[str, str]:
 
 
 def check_output(out: str, force: bool) -> None:
-    """Refuse an output that exists (unless force) or whose parent is missing, before any work."""
+    """Refuse an output that exists (unless force) or that cannot be created, before any work."""
     if os.path.lexists(out) and not force:
         raise ValueError(f"{out} already exists; pass --force to replace it")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise ValueError(f"{out} exists and is not a directory; it is not replaced")
     parent = os.path.dirname(os.path.abspath(out))
+    while not os.path.exists(parent):  # created by atomic_folder; a file in the way is refused now
+        parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
-        raise ValueError(f"the parent directory {parent} of {out} does not exist")
+        raise ValueError(f"{parent} is a file, so {out} cannot be created below it")
 
 
 @contextlib.contextmanager
@@ -94,6 +96,7 @@ def atomic_folder(out: str, force: bool):
 
     check_output(out, force)
     out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)  # like mkdir -p: exports/NAME needs no exports/ first
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
