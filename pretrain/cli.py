@@ -325,7 +325,7 @@ def _import(args) -> int:
 
     r = import_run(args.source, args.out, args.arch, args.overrides, args.force, args.tokenizer)
     print(f"imported {r['source']} into {r['out']}: model.arch {r['arch']!r}, {r['params']:,} parameters"
-          f"{r['converted']}{'' if r['tokenizer'] else ' (no tokenizer: generation needs --tokenizer)'}")
+          f"{r['converted']}{'' if r['tokenizer'] else ' (no tokenizer found: import with --tokenizer PATH, or give generate data.tokenizer=PATH)'}")
     print(f"fine-tune it in a new run: {finetune_command(r['out'])}")
     return 0
 
