@@ -357,7 +357,7 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
     return final
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
@@ -378,7 +378,7 @@ def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> No
     if doomed:
         fsync_path(root)
     for n in os.listdir(root):  # leftovers of crashed saves by processes that are gone
-        if (m := _LEFTOVER.fullmatch(n)) and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        if (m := _LEFTOVER.fullmatch(n)) and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             trash.append(os.path.join(root, n))
     for path in trash:
         if os.path.isdir(path):

@@ -312,7 +312,9 @@ def _generate(args) -> int:
 def _export(args) -> int:
     from pretrain.export.writer import export
 
-    command = "pretrain export " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["export"] else ""
+    import shlex
+
+    command = "pretrain export " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["export"] else ""
     r = export(args.source, args.out, args.format, args.dtype, args.force, args.tokenizer, command=command)
     print(f"exported {r['arch']} step {r['step']} ({r['params']:,} parameters, {r['dtype']}, "
           f"{r['bytes'] / 2**20:,.1f} MiB) from {r['checkpoint']} to {r['out']} ({r['format']} format) in "

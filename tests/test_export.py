@@ -93,8 +93,9 @@ def test_cli_export_then_eval_and_generate_from_the_folder(tmp_path, corpus, cap
     assert result == expected
 
 
-def test_the_loader_needs_torch_and_safetensors_only(tmp_path, corpus):
-    run = train(tmp_path, corpus, "crt")
+@pytest.mark.parametrize("arch", ["baseline", "crt"])
+def test_the_loader_needs_torch_and_safetensors_only(tmp_path, corpus, arch):
+    run = train(tmp_path, corpus, arch)
     out = str(tmp_path / "folder")
     export(run, out, log=quiet)
     code = f"""
@@ -150,6 +151,46 @@ def test_a_corrupt_checkpoint_is_refused_and_nothing_is_written(tmp_path, corpus
     with pytest.raises(Exception, match="is incomplete"):
         export(ckpt, out, log=quiet)
     assert not os.path.exists(out) and [n for n in os.listdir(tmp_path) if n.startswith(".folder")] == []
+
+
+def test_what_cannot_be_exported_is_refused_before_any_work(tmp_path, corpus, monkeypatch):
+    import dataclasses
+
+    from pretrain.models import registry
+
+    run = train(tmp_path, corpus, **{"model.max_seq_len": 64})
+    spec = get_arch("baseline")
+    monkeypatch.setitem(registry._REGISTRY, "baseline", dataclasses.replace(spec, export_refusal="a test reason"))
+    with pytest.raises(ValueError, match="model.arch 'baseline' cannot be exported: a test reason"):
+        export(run, str(tmp_path / "out"), log=quiet)
+    monkeypatch.undo()
+    for out in (str(tmp_path), run, os.path.join(run, "checkpoints")):  # --force must not delete the source
+        with pytest.raises(ValueError, match="contains the source|is inside the source"):
+            export(run, out, force=True, log=quiet)
+    assert os.path.isdir(os.path.join(run, "checkpoints", "step_00000004"))
+    meta = os.path.join(run, "checkpoints", "step_00000004", "meta.json")
+    stored = json.load(open(meta))
+    stored["config"]["model"]["d_model"] = 64  # a config that does not build the saved model
+    json.dump(stored, open(meta, "w"))
+    with pytest.raises(Exception, match="has embed.weight of shape .64, 256., but model.arch 'baseline' of its "
+                       "config has .64, 64."):
+        export(run, str(tmp_path / "out"), log=quiet)
+
+
+def test_an_exported_folder_imports_as_a_run(tmp_path, corpus):
+    from pretrain.export.importer import import_run
+
+    run = train(tmp_path, corpus, **{"model.max_seq_len": 64})
+    folder = str(tmp_path / "folder")
+    export(run, folder, log=quiet)
+    os.makedirs(tmp_path / f".again.tmp-{2 ** 22 + 1}")  # left by a killed import (no such pid)
+    import_run(folder, str(tmp_path / "again"), log=quiet)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".again")]
+    model, spec, _, _ = load_for_inference(run, log=quiet)
+    imported, _, cfg, tok = load_for_inference(str(tmp_path / "again"), log=quiet)
+    assert cfg.model == model.cfg and tok is not None
+    with torch.no_grad():
+        torch.testing.assert_close(spec.logits(imported, TOKENS), spec.logits(model, TOKENS), rtol=0, atol=0)
 
 
 def test_a_damaged_folder_is_refused_naming_the_file(tmp_path, corpus):

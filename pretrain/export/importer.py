@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 _NOT_CARRIED = {"arch", "paper_params", "paper_params_rounded"}  # model fields a conversion never copies
@@ -27,8 +27,8 @@ _NOT_CARRIED = {"arch", "paper_params", "paper_params_rounded"}  # model fields 
 class Imported:
     arch: str
     model: Any  # the source's model config
-    state: dict  # full single-device tensors
-    tokenizer: str | None  # a tokenizer file, or None
+    load_state: Callable[[], dict]  # -> full single-device tensors (read last, after every check)
+    tokenizer: str | None  # a tokenizer path, or None
     what: str  # "a Hugging Face llama folder", ... (for the summary line)
 
 
@@ -54,8 +54,8 @@ def _hf_tensors(path: str):
         try:
             with open(index) as f:
                 where = json.load(f)["weight_map"]
-            files = {name: os.path.join(path, file) for name, file in where.items()}
-        except (OSError, ValueError, KeyError, TypeError):
+            files = {str(name): os.path.join(path, str(file)) for name, file in where.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise ValueError(f"{index} is unreadable (no weight_map)") from None
     elif os.path.isfile(single := os.path.join(path, HF_WEIGHTS)):
         files = {name: single for name in read_header(single) if name != "__metadata__"}
@@ -63,10 +63,14 @@ def _hf_tensors(path: str):
         pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.exists(os.path.join(path, n))]
         hint = f" ({pickled[0]} is a pickle, which is not read: save it with safe_serialization=True)" if pickled else ""
         raise ValueError(f"{path} holds no {HF_WEIGHTS} or {HF_INDEX}{hint}")
+    held = {}
     for file in set(files.values()):
         if not os.path.isfile(file):
             raise ValueError(f"{path}: weights file {os.path.basename(file)} is missing")
-        read_header(file)  # a truncated or foreign file is named here
+        held[file] = set(read_header(file))  # a truncated or foreign file is named here
+    for name, file in files.items():
+        if name not in held[file]:
+            raise ValueError(f"{path}: the index puts {name} in {os.path.basename(file)}, which does not hold it")
     handles: dict = {}
 
     def get(name: str):
@@ -79,45 +83,58 @@ def _hf_tensors(path: str):
 
 
 def _read_hf(path: str, tokenizer: str) -> Imported:
-    with open(os.path.join(path, "config.json")) as f:
-        try:
+    try:
+        with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
-        except ValueError:
-            raise ValueError(f"{path}/config.json is not JSON") from None
+        if not isinstance(hf, dict):
+            raise ValueError
+    except (OSError, ValueError):
+        raise ValueError(f"{path}/config.json is not a JSON object") from None
     spec = _hf_adapter(hf, path)
     try:
         model = spec.config_cls(**spec.hf.model_fields(hf))
         model.validate()
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    names, get = _hf_tensors(path)
-    try:
-        state = spec.hf.weights_from_hf(model, names, get)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+
+    def load_state() -> dict:
+        names, get = _hf_tensors(path)
+        try:
+            return spec.hf.weights_from_hf(model, names, get)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
     if not tokenizer:
         found = [n for n in ("tokenizer.json", "tokenizer.model") if os.path.isfile(os.path.join(path, n))]
         tokenizer = os.path.join(path, found[0]) if found else None
-    return Imported(spec.name, model, state, tokenizer, f"a Hugging Face {hf['model_type']} folder")
+    return Imported(spec.name, model, load_state, tokenizer, f"a Hugging Face {hf['model_type']} folder")
 
 
 def _read_exported(path: str, config: dict, tokenizer: str) -> Imported:
-    from safetensors.torch import load_file
+    from pretrain.export.loader import folder_state
+    from pretrain.models import get_arch
 
-    from pretrain.config import config_from_dict
-    from pretrain.export.writer import WEIGHTS_FILE
-
-    model = config_from_dict({"model": config["model"]}).model
-    state = load_file(os.path.join(path, WEIGHTS_FILE))
-    for name, first in config["aliases"].items():
-        state[name] = state[first]
+    spec = get_arch(config["arch"])
+    try:  # the model config alone: the folder's training config is not this run's
+        model = spec.config_cls(**config["model"])
+        model.validate()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}/config.json has an unusable model config ({e})") from None
     tok = tokenizer or (os.path.join(path, config["tokenizer"]) if config.get("tokenizer") else None)
-    return Imported(model.arch, model, state, tok, "an exported folder")
+    return Imported(spec.name, model, lambda: folder_state(path, config), tok, "an exported folder")
+
+
+def _read_run(path: str, tokenizer: str, log) -> Imported:
+    from pretrain.export.source import checkpoint_to_read, read_checkpoint, stored_config
+
+    ckpt, _ = checkpoint_to_read(path)
+    _, cfg, run_dir = stored_config(ckpt, log=lambda _: None)
+    return Imported(cfg.model.arch, cfg.model, lambda: read_checkpoint(path, log).state,
+                    tokenizer or cfg.data.tokenizer or None, f"the run {run_dir}")
 
 
 def read_source(path: str, tokenizer: str = "", log=print) -> Imported:
     from pretrain.export.loader import folder_config
-    from pretrain.export.source import read_checkpoint
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist")
@@ -125,9 +142,7 @@ def read_source(path: str, tokenizer: str = "", log=print) -> Imported:
         return _read_exported(path, config, tokenizer)
     if os.path.isfile(os.path.join(path, "config.json")):
         return _read_hf(path, tokenizer)
-    ck = read_checkpoint(path, log)
-    return Imported(ck.cfg.model.arch, ck.cfg.model, ck.state, tokenizer or ck.cfg.data.tokenizer or None,
-                    f"checkpoint {os.path.basename(ck.checkpoint)} of run {ck.run_dir}")
+    return _read_run(path, tokenizer, log)
 
 
 def target_model_fields(source, arch: str) -> dict:
@@ -145,19 +160,21 @@ def target_model_fields(source, arch: str) -> dict:
 
 def import_run(source: str, out: str, arch: str = "", overrides=(), force: bool = False, tokenizer: str = "",
                log=print) -> dict:
-    """Import `source` into run directory `out` (see the module docstring); returns a summary."""
+    """Import `source` into run directory `out` (see the module docstring); returns a summary. Every
+    check (architectures, overrides, vocabulary, shapes) comes before the weights are read."""
     import torch
-    from omegaconf import OmegaConf
 
     from data_tools.tokenizer import load_tokenizer
     from parallel.mesh import single_device
     from pretrain.checkpoint import SavedModel, save_checkpoint
-    from pretrain.config import RUN_CONFIG, ConfigError, DataConfig, config_from_dict, to_yaml
-    from pretrain.export.source import atomic_folder, check_output
+    from pretrain.config import RUN_CONFIG, DataConfig, config_from_dict, to_yaml
+    from pretrain.export.source import atomic_folder, check_output, model_shapes
     from pretrain.init_from import Source, state_for
     from pretrain.models import count_parameters, get_arch
 
-    check_output(out, force)
+    check_output(out, force, source)
+    if tokenizer and not os.path.exists(tokenizer):
+        raise ValueError(f"--tokenizer {tokenizer} does not exist")
     src = read_source(source, tokenizer, log)
     arch = arch or src.arch
     spec = get_arch(arch)
@@ -165,35 +182,32 @@ def import_run(source: str, out: str, arch: str = "", overrides=(), force: bool 
         raise ValueError(f"--arch {arch}: model.arch {arch!r} has no conversion from {src.arch!r} (no `convert` in "
                          "its registry entry)")
     out_abs = os.path.abspath(out)
-    tok = load_tokenizer(src.tokenizer) if src.tokenizer else None
+    tok = load_tokenizer(src.tokenizer) if src.tokenizer else None  # tok.path: the file, if a folder was named
     base = {"model": target_model_fields(src, arch),
-            "data": {"tokenizer": os.path.join(out_abs, "tokenizer", os.path.basename(src.tokenizer))
-                     if tok else "", "seq_len": min(DataConfig.seq_len, src.model.max_seq_len)},
+            "data": {"tokenizer": os.path.join(out_abs, "tokenizer", os.path.basename(tok.path)) if tok else "",
+                     "seq_len": min(DataConfig.seq_len, src.model.max_seq_len)},
             "train": {"name": os.path.basename(out_abs), "run_dir": out_abs}}
-    try:
-        user = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
-    except Exception:
-        raise ConfigError(f"cannot read the overrides {' '.join(overrides)}") from None
-    cfg = config_from_dict(OmegaConf.to_container(OmegaConf.merge(base, user)))
+    cfg = config_from_dict(base, overrides=list(overrides))
     if tok is not None and tok.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer {src.tokenizer} has {tok.vocab_size} tokens but the model's vocabulary "
-                         f"is {cfg.model.vocab_size}: they do not match (pass --tokenizer PATH)")
-    with torch.device("meta"), single_device():
-        model = spec.build(cfg.model)
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        counts = count_parameters(model)
+        raise ValueError(f"the tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocabulary is "
+                         f"{cfg.model.vocab_size}: they do not match (pass --tokenizer PATH)")
+    shapes = model_shapes(cfg.model)
     how = Source(source, "", False, src.arch, src.model, spec.convert if arch != src.arch else None)
-    state = state_for(how, cfg, src.state, shapes, name=source)
+    with torch.device("meta"):  # the conversion and the shapes, decided before any weight is read
+        with single_device():
+            meta_state = {k: torch.empty(v) for k, v in model_shapes(src.model).items()}
+            counts = count_parameters(spec.build(cfg.model))
+        state_for(how, cfg, meta_state, shapes, name=source)
     saved = SavedModel()
-    saved.state = state
+    saved.state = state_for(how, cfg, src.load_state(), shapes, name=source)
     meta = {"consumed_samples": 0, "config": cfg.to_dict(), "imported_from": os.path.abspath(source),
-            "tokenizer": os.path.basename(src.tokenizer) if tok else None}
-    with atomic_folder(out, force) as tmp:
+            "tokenizer": os.path.basename(tok.path) if tok else None}
+    with atomic_folder(out, force, source) as tmp:
         with open(os.path.join(tmp, RUN_CONFIG), "w") as f:
             f.write(to_yaml(cfg))
         if tok is not None:
             os.makedirs(os.path.join(tmp, "tokenizer"))
-            shutil.copy2(src.tokenizer, os.path.join(tmp, "tokenizer", os.path.basename(src.tokenizer)))
+            shutil.copy2(tok.path, os.path.join(tmp, "tokenizer", os.path.basename(tok.path)))
         save_checkpoint(tmp, 0, saved, None, meta)
     converted = f", converted from {src.arch!r} by the registry's convert" if arch != src.arch else ""
     return {"out": out, "arch": arch, "source": src.what, "params": counts["total"], "converted": converted,

@@ -2,7 +2,8 @@
 
 No megatron-core, DeepSpeed, process group or torch.distributed.checkpoint is imported: the model is
 built single-device through the registry (parallel.layers' plain torch modules) and its tensors are
-read memory-mapped, one at a time, into it. The weights file is checked against the checksum
+read memory-mapped, one at a time, into it. Besides torch and safetensors, only this package's own
+light dependencies are used (omegaconf for the config, xxhash for the checksum). The weights file is checked against the checksum
 config.json records, so a damaged folder is refused naming the file rather than sampled from.
 """
 from __future__ import annotations
@@ -56,13 +57,42 @@ def _run_config(path: str, config: dict, overrides) -> "RunConfig":  # noqa: F82
     return config_from_dict(stored, overrides=list(overrides))
 
 
+def checked_weights(path: str, config: dict, verify: bool = True) -> tuple[str, set]:
+    """(the folder's weights file, the tensor names it holds) after checking that it is whole (its
+    header against its size) and, with `verify`, that it matches the checksum recorded at export."""
+    from data_tools.files import file_checksum
+    from pretrain.export.tensorfile import read_header
+
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        raise ValueError(f"{path} is incomplete (no {WEIGHTS_FILE})")
+    names = set(read_header(weights)) - {"__metadata__"}  # a truncation is named before the file is mapped
+    expected = (config.get("checksums") or {}).get(WEIGHTS_FILE)
+    if verify and expected and file_checksum(weights) != expected:
+        raise ValueError(f"{weights} is corrupt (it does not match the checksum recorded at export)")
+    return weights, names
+
+
+def folder_state(path: str, config: dict, verify: bool = True) -> dict:
+    """The folder's tensors by state-dict name, tied names included (pretrain import reads it)."""
+    from safetensors.torch import load_file
+
+    weights, _ = checked_weights(path, config, verify)
+    state = load_file(weights)
+    for name, first in config["aliases"].items():
+        if first not in state:
+            raise ValueError(f"{weights} has no tensor {first} (config.json's aliases name it)")
+        state[name] = state[first]
+    return state
+
+
 def load_folder(path: str, device: str = "cpu", overrides=(), log=print, need: tuple = ("tokenizer",),
                 verify: bool = True):
-    """(model in eval mode, its ArchSpec, RunConfig, tokenizer or None) from exported folder `path`."""
+    """(model in eval mode, its ArchSpec, RunConfig, tokenizer or None) from exported folder `path`.
+    `checkpoint.verify=false` among the overrides (or verify=False) skips the checksum."""
     import torch
     from safetensors import safe_open
 
-    from pretrain.export.tensorfile import read_header
     from pretrain.models import get_arch
 
     config = folder_config(path)
@@ -70,21 +100,11 @@ def load_folder(path: str, device: str = "cpu", overrides=(), log=print, need: t
         raise ValueError(f"{path} is not an exported folder (no {CONFIG_FILE} of format {FORMAT!r})")
     cfg = _run_config(path, config, overrides)
     cfg.data.check_files(need)
-    weights = os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isfile(weights):
-        raise ValueError(f"{path} is incomplete (no {WEIGHTS_FILE})")
-    header = read_header(weights)  # a truncation is named before safetensors maps the file
-    expected = (config.get("checksums") or {}).get(WEIGHTS_FILE)
-    if verify and expected:
-        from data_tools.files import file_checksum
-
-        if file_checksum(weights) != expected:
-            raise ValueError(f"{weights} is corrupt (it does not match the checksum recorded at export)")
+    weights, present = checked_weights(path, config, verify and cfg.checkpoint.verify)
     spec = get_arch(cfg.model.arch)
     with torch.device(device):  # initialised, then overwritten tensor by tensor
         model = spec.build(cfg.model)
     aliases = config["aliases"]
-    present = set(header) - {"__metadata__"}
     state = model.state_dict()
     for name in state:
         source = name if name in present else aliases.get(name)

@@ -22,36 +22,78 @@ class Checkpointed:
     state: dict  # {state_dict name: tensor}, every name the model's state_dict has
 
 
-def read_checkpoint(path: str, log=print) -> Checkpointed:
-    """The newest verified checkpoint of run directory `path` (falling back past a corrupt one with a
-    line, as eval does), or checkpoint directory `path` (a corrupt or half-written file is an error
-    naming it). Loads the model tensors only (no optimizer), whatever layout saved them."""
-    from pretrain.checkpoint import META_FILE, CheckpointError, SavedModel, incomplete, load_checkpoint, load_latest
-    from pretrain.config import config_from_dict
-    from pretrain.runs import relocate
+def checkpoint_to_read(path: str) -> tuple[str, bool]:
+    """(the checkpoint directory `path` names, whether `path` is a run directory): a run's is the one
+    `latest` names (load_latest may still fall back past it when it fails its checksums)."""
+    from pretrain.checkpoint import META_FILE, CheckpointError, incomplete, latest_checkpoint
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist")
-    saved = SavedModel()
-    looks_like_one = os.path.isfile(os.path.join(path, ".metadata")) or re.fullmatch(r"step_\d+", os.path.basename(
-        os.path.normpath(path)))
+    looks_like_one = os.path.isfile(os.path.join(path, ".metadata")) or re.fullmatch(
+        r"step_\d+", os.path.basename(os.path.normpath(path)))
     if os.path.isfile(os.path.join(path, META_FILE)) or looks_like_one:
         if (why := incomplete(path)) is not None:
             raise CheckpointError(f"checkpoint {path} {why}")
-        meta = load_checkpoint(path, saved, restore_rng=False, log=log)
-        ckpt = path
-    else:
-        ckpt, meta = load_latest(path, saved, restore_rng=False, log=log)
-        if ckpt is None:
-            raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete "
-                             "checkpoint")
-    stored = meta.get("config") if isinstance(meta, dict) else None
+        return path, False
+    ckpt = latest_checkpoint(path, log=lambda _: None)
+    if ckpt is None:
+        raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
+    return ckpt, True
+
+
+def stored_config(ckpt: str, log=print):
+    """(meta.json, the stored RunConfig with its paths found where the run now is, the run directory)."""
+    from pretrain.checkpoint import META_FILE, CheckpointError, read_meta
+    from pretrain.config import config_from_dict
+    from pretrain.runs import relocate
+
+    meta = read_meta(ckpt)
+    stored = meta.get("config")
     if not isinstance(stored, dict) or not isinstance(stored.get("model"), dict):
         raise CheckpointError(f"checkpoint {ckpt} holds no run config in its {META_FILE}")
     cfg = config_from_dict(stored)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     relocate(cfg, run_dir, log)
+    return meta, cfg, run_dir
+
+
+def read_checkpoint(path: str, log=print) -> Checkpointed:
+    """The newest verified checkpoint of run directory `path` (falling back past a corrupt one with a
+    line, as eval does), or checkpoint directory `path` (a corrupt or half-written file is an error
+    naming it). Loads the model tensors only (no optimizer), whatever layout saved them, and checks
+    them against the model its config builds (names and shapes)."""
+    from pretrain.checkpoint import CheckpointError, SavedModel, load_checkpoint, load_latest
+
+    ckpt, is_run = checkpoint_to_read(path)
+    saved = SavedModel()
+    if is_run:
+        ckpt, _ = load_latest(path, saved, restore_rng=False, log=log)
+    else:
+        load_checkpoint(ckpt, saved, restore_rng=False, log=log)
+    meta, cfg, run_dir = stored_config(ckpt, log=lambda _: None)
+    shapes = model_shapes(cfg.model)
+    for name, shape in shapes.items():
+        got = tuple(saved.state[name].shape) if name in saved.state else None
+        if got != shape:
+            held = f"{name} of shape {got}" if got is not None else f"no tensor {name}"
+            raise CheckpointError(f"checkpoint {ckpt} has {held}, but model.arch {cfg.model.arch!r} of its config has "
+                                  f"{shape} (saved by an older version of the model, or a different model)")
+    extra = sorted(set(saved.state) - set(shapes))
+    if extra:
+        raise CheckpointError(f"checkpoint {ckpt} has {extra[0]}, which model.arch {cfg.model.arch!r} of its config "
+                              f"lacks (and {len(extra) - 1} more)")
     return Checkpointed(ckpt, run_dir, meta, cfg, saved.state)
+
+
+def model_shapes(model_cfg) -> dict[str, tuple]:
+    """{state-dict name: shape} of the single-device model, built on the meta device."""
+    import torch
+
+    from parallel.mesh import single_device
+    from pretrain.models import get_arch
+
+    with torch.device("meta"), single_device():
+        return {k: tuple(v.shape) for k, v in get_arch(model_cfg.arch).build(model_cfg).state_dict().items()}
 
 
 def tied_aliases(arch: str, model_cfg) -> dict[str, str]:
@@ -75,8 +117,15 @@ def tied_aliases(arch: str, model_cfg) -> dict[str, str]:
     return aliases
 
 
-def check_output(out: str, force: bool) -> None:
-    """Refuse an output that exists (unless force) or that cannot be created, before any work."""
+def check_output(out: str, force: bool, source: str | None = None) -> None:
+    """Refuse, before any work, an output that exists (unless force), that cannot be created, or that
+    is or holds the source (--force would delete what it reads)."""
+    if source is not None and os.path.exists(source):
+        src, dest = os.path.realpath(source), os.path.realpath(out)
+        if os.path.commonpath([src, dest]) == dest:
+            raise ValueError(f"{out} is or contains the source {source}; choose another output folder")
+        if os.path.lexists(out) and os.path.commonpath([src, dest]) == src:  # replacing a part of the source
+            raise ValueError(f"{out} is inside the source {source} and exists; choose another output folder")
     if os.path.lexists(out) and not force:
         raise ValueError(f"{out} already exists; pass --force to replace it")
     if os.path.lexists(out) and not os.path.isdir(out):
@@ -88,15 +137,27 @@ def check_output(out: str, force: bool) -> None:
         raise ValueError(f"{parent} is a file, so {out} cannot be created below it")
 
 
+def _remove_leftovers(out: str) -> None:
+    """Temporary or set-aside siblings of `out` left by killed processes (their pid is gone)."""
+    from pretrain.checkpoint import pid_alive
+
+    parent, name = os.path.split(out)
+    pattern = re.compile(rf"\.{re.escape(name)}\.(?:tmp|old)-(\d+)")
+    for entry in os.listdir(parent):
+        if (m := pattern.fullmatch(entry)) and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 @contextlib.contextmanager
-def atomic_folder(out: str, force: bool):
+def atomic_folder(out: str, force: bool, source: str | None = None):
     """Yield a temporary directory beside `out`; on success it replaces `out` (an existing one only
     with force, deleted after the swap), on any failure it is removed and `out` is untouched."""
     from data_tools.files import fsync_path
 
-    check_output(out, force)
+    check_output(out, force, source)
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)  # like mkdir -p: exports/NAME needs no exports/ first
+    _remove_leftovers(out)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -109,7 +170,11 @@ def atomic_folder(out: str, force: bool):
         if os.path.lexists(out):
             aside = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.old-{os.getpid()}")
             os.rename(out, aside)
-            os.rename(tmp, out)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(aside, out)  # the old folder back in place
+                raise
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, out)

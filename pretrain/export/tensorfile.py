@@ -71,7 +71,10 @@ def read_header(path: str) -> dict:
             raise ValueError
     except (ValueError, struct.error, UnicodeDecodeError):
         raise ValueError(f"{path} is not a safetensors file (unreadable header)") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise ValueError(f"{path} is not a safetensors file (a header entry has no data_offsets)") from None
     if 8 + n + end > size:
         raise ValueError(f"{path} is truncated ({size} bytes, its header describes {8 + n + end})")
     return header

@@ -17,6 +17,7 @@ export holds one copy of the weights plus one tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -54,17 +55,19 @@ def _final_metrics(run_dir: str, step: int) -> dict:
     return out
 
 
-def _tokenizer(cfg):
-    """(path, Tokenizer) of the run's tokenizer, or (None, None) for a run trained without one."""
+def _tokenizer(cfg, given: str):
+    """(file, Tokenizer) of the tokenizer to ship (`given`, else the run's), or (None, None) for a run
+    trained without one."""
     from data_tools.tokenizer import load_tokenizer
 
-    path = cfg.data.tokenizer
+    path = given or cfg.data.tokenizer
     if not path:
         return None, None
-    if not os.path.isfile(path):
-        raise ValueError(f"the run's tokenizer {path} was not found (nor its copy in the run directory); "
-                         "pass --tokenizer PATH")
-    return path, load_tokenizer(path)
+    if not os.path.exists(path):
+        raise ValueError(f"--tokenizer {path} does not exist" if given else f"the run's tokenizer {path} was not "
+                         "found (nor its copy in the run directory); pass --tokenizer PATH")
+    tok = load_tokenizer(path)
+    return tok.path, tok  # a directory given resolves to its one tokenizer file
 
 
 def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: bool = False,
@@ -73,7 +76,8 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
     import torch
 
     from parallel.mesh import single_device
-    from pretrain.export.source import atomic_folder, check_output, read_checkpoint, tied_aliases
+    from pretrain.export.source import (atomic_folder, check_output, checkpoint_to_read, read_checkpoint,
+                                        stored_config, tied_aliases)
     from pretrain.export.tensorfile import write_safetensors
     from pretrain.models import count_parameters, get_arch
 
@@ -81,40 +85,44 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         raise ValueError(f"--format {fmt!r} is not one of native, hf")
     if dtype and dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    check_output(out, force)  # before the (long) read
+    check_output(out, force, source)
     t0 = time.perf_counter()
-    ck = read_checkpoint(source, log)
-    cfg, arch = ck.cfg, ck.cfg.model.arch
+    # What can be refused from the stored config is refused before the (long) read of the weights.
+    _, peek, _ = stored_config(checkpoint_to_read(source)[0], log=lambda _: None)
+    arch = peek.model.arch
     spec = get_arch(arch)
-    if tokenizer:
-        cfg.data.tokenizer = tokenizer
-    tok_path, tok = _tokenizer(cfg)
-    if tok is not None and tok.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer {tok_path} has {tok.vocab_size} tokens, more than model.vocab_size "
-                         f"{cfg.model.vocab_size}")
-    aliases = tied_aliases(arch, cfg.model)
-    missing = [n for n in aliases.values() if n not in ck.state]
-    if missing:
-        raise ValueError(f"checkpoint {ck.checkpoint} has no tensor {missing[0]}")
-    first = {name: t for name, t in ck.state.items() if name not in aliases}
-    stored_dtype = next(iter(first.values())).dtype
-    target = getattr(torch, dtype) if dtype else stored_dtype
-
-    def cast(t):
-        return t.to(target) if t.is_floating_point() else t
-
+    if spec.export_refusal:
+        raise ValueError(f"model.arch {arch!r} cannot be exported: {spec.export_refusal}")
     if fmt == "hf":
         if spec.hf is None:
             raise ValueError(f"--format hf: model.arch {arch!r} has no Hugging Face counterpart (its registry entry "
                              "names no `hf` adapter); export it in the native format")
-        spec.hf.check_export(cfg.model)
+        spec.hf.check_export(peek.model)
+    tok_path, tok = _tokenizer(peek, tokenizer)
+    if tok is not None and tok.vocab_size > peek.model.vocab_size:
+        raise ValueError(f"the tokenizer {tok_path} has {tok.vocab_size} tokens, more than model.vocab_size "
+                         f"{peek.model.vocab_size}")
+    ck = read_checkpoint(source, log)
+    cfg = ck.cfg
+    aliases = tied_aliases(arch, cfg.model)
+    first = {name: t for name, t in ck.state.items() if name not in aliases}
+    target = getattr(torch, dtype) if dtype else None  # None: every tensor keeps its own dtype
+
+    def cast(t):
+        return t.to(target) if target is not None and t.is_floating_point() else t
+
+    def dtype_of(t):
+        return target if target is not None and t.is_floating_point() else t.dtype
+
+    if fmt == "hf":
         producers = spec.hf.weights_to_hf(cfg.model, ck.state)  # {hf name: (shape, () -> tensor)}
-        specs = {name: (shape, target) for name, (shape, _) in producers.items()}
+        specs = {name: (shape, dtype_of(ck.state["embed.weight"])) for name, (shape, _) in producers.items()}
 
         def tensor_of(name):
-            return cast(producers[name][1]())
+            t = producers[name][1]()
+            return t.to(specs[name][1]) if t.is_floating_point() else t
     else:
-        specs = {name: (tuple(t.shape), target if t.is_floating_point() else t.dtype) for name, t in first.items()}
+        specs = {name: (tuple(t.shape), dtype_of(t)) for name, t in first.items()}
 
         def tensor_of(name):
             return cast(first[name])
@@ -123,8 +131,9 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         counts = count_parameters(spec.build(cfg.model))
     metrics = _final_metrics(ck.run_dir, int(ck.meta["step"]))
     metrics.setdefault("tokens", int(ck.meta["step"]) * cfg.tokens_per_step)
-    dtype_name = str(target).removeprefix("torch.")
-    with atomic_folder(out, force) as tmp:
+    kinds = sorted({str(d).removeprefix("torch.") for _, d in specs.values()})
+    dtype_name = kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds)
+    with atomic_folder(out, force, source) as tmp:
         size = write_safetensors(os.path.join(tmp, WEIGHTS_FILE), specs, tensor_of, {"format": "pt"})
         tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
         if fmt == "hf":
@@ -168,7 +177,7 @@ def model_card(cfg, counts: dict, ck, metrics: dict, fmt: str, dtype: str, tok_f
     from pretrain.config import to_yaml
 
     name = os.path.basename(os.path.normpath(ck.run_dir))
-    val = (f"{metrics['val_loss']:.4f} nats/token (perplexity {2.718281828459045 ** metrics['val_loss']:.2f}) "
+    val = (f"{metrics['val_loss']:.4f} nats/token (perplexity {math.exp(min(metrics['val_loss'], 50)):.2f}) "
            f"at step {metrics['val_step']}") if "val_loss" in metrics else "not evaluated during training"
     load = ("transformers.LlamaForCausalLM.from_pretrained(FOLDER)  # local files only" if fmt == "hf" else
             "pretrain generate FOLDER --prompt '...'   |   pretrain eval FOLDER data.valid=[PREFIX]\n"

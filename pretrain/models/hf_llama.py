@@ -125,9 +125,12 @@ class LlamaAdapter:
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported: the baseline's FFN is SwiGLU (silu)")
         rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
-        if scaling:
-            kind = scaling.get("rope_type") or scaling.get("type")
+        if not all(isinstance(x, dict) for x in (rope, hf.get("rope_scaling") or {})):
+            raise ValueError("rope_scaling / rope_parameters is not a mapping")
+        for scaling in (hf.get("rope_scaling") or {}, rope):  # transformers 4 names it rope_scaling, 5 rope_parameters
+            kind = scaling.get("rope_type") or scaling.get("type") or "default"
+            if kind == "default":
+                continue
             raise ValueError(f"RoPE scaling ({kind!r}) is not supported: the baseline's RoPE is unscaled")
         try:
             d, heads, layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
