@@ -516,7 +516,8 @@ def _check(path: str, saved: dict, state: dict) -> None:
     wanted = dict(_flatten(state))
     for key, tensor in wanted.items():
         if not isinstance(entry := saved.get(key), TensorStorageMetadata):
-            raise CheckpointError(f"checkpoint {path} has no tensor {key} (saved from a different model?)")
+            raise CheckpointError(f"checkpoint {path} has no tensor {key} (saved from a different model, or by an "
+                                  "older version of this one: `pretrain import` upgrades its weights into a new run)")
         if tuple(entry.size) != tuple(tensor.size()):
             raise CheckpointError(f"checkpoint {path} has {key} of shape {tuple(entry.size)}, "
                                   f"the model has {tuple(tensor.size())} (a different model size?)")

@@ -264,3 +264,35 @@ def test_checkpoints_of_every_layout_export_their_weights(tmp_path, corpus):
         assert sorted(got) == sorted(weights), layout
         for name, value in weights.items():
             assert torch.equal(got[name], torch.from_numpy(value)), (layout, name)
+
+
+@pytest.mark.parametrize("arch", ["baseline", "crt"])
+def test_weights_saved_before_gqa_are_carried_forward_by_import(tmp_path, corpus, arch, capsys):
+    """Runs saved with the fused attn.qkv projection (before model.n_kv_heads): resuming them is refused
+    naming `pretrain import`, which splits the projection (registry upgrade_state) into a new run."""
+    from pretrain.checkpoint import SavedModel, load_checkpoint, read_meta, save_checkpoint
+    from pretrain.export.importer import import_run
+
+    run = train(tmp_path, corpus, arch)
+    ckpt = os.path.join(run, "checkpoints", "step_00000004")
+    saved = SavedModel()
+    load_checkpoint(ckpt, saved, restore_rng=False, log=quiet)
+    old = {}
+    for name, t in saved.state.items():
+        if ".attn.q." in name:
+            old[name.replace(".attn.q.", ".attn.qkv.")] = torch.cat([t, saved.state[name.replace(".q.", ".kv.")]])
+        elif ".attn.kv." not in name:
+            old[name] = t
+    old_run = str(tmp_path / "old")
+    saved.state = old
+    meta = read_meta(ckpt)
+    meta.pop("checksums")
+    meta["config"]["train"]["run_dir"] = old_run
+    save_checkpoint(old_run, 4, saved, None, {k: v for k, v in meta.items() if k not in ("step", "schema_version")})
+    with pytest.raises(Exception, match="older version of this one: `pretrain import` upgrades its weights"):
+        load_for_inference(old_run, log=quiet)
+    import_run(old_run, str(tmp_path / "new"), log=quiet)
+    model, spec, _, _ = load_for_inference(run, log=quiet)
+    new, _, _, _ = load_for_inference(str(tmp_path / "new"), log=quiet)
+    with torch.no_grad():
+        torch.testing.assert_close(spec.logits(new, TOKENS), spec.logits(model, TOKENS), rtol=0, atol=0)

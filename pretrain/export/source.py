@@ -63,6 +63,7 @@ def read_checkpoint(path: str, log=print) -> Checkpointed:
     naming it). Loads the model tensors only (no optimizer), whatever layout saved them, and checks
     them against the model its config builds (names and shapes)."""
     from pretrain.checkpoint import CheckpointError, SavedModel, load_checkpoint, load_latest
+    from pretrain.models import get_arch
 
     ckpt, is_run = checkpoint_to_read(path)
     saved = SavedModel()
@@ -71,6 +72,9 @@ def read_checkpoint(path: str, log=print) -> Checkpointed:
     else:
         load_checkpoint(ckpt, saved, restore_rng=False, log=log)
     meta, cfg, run_dir = stored_config(ckpt, log=lambda _: None)
+    upgrade = get_arch(cfg.model.arch).upgrade_state
+    if upgrade is not None:
+        saved.state = upgrade(saved.state, cfg.model)
     shapes = model_shapes(cfg.model)
     for name, shape in shapes.items():
         got = tuple(saved.state[name].shape) if name in saved.state else None

@@ -156,6 +156,16 @@ def tp_dims(cfg: BaselineConfig) -> dict[str, int]:
             "model.vocab_size": cfg.vocab_size}
 
 
+def upgrade_state(state: dict, cfg: BaselineConfig) -> dict:
+    """Weights saved before grouped-query attention: the fused attn.qkv (rows q | k | v) split into
+    attn.q and attn.kv (exact: the same rows)."""
+    for name in [n for n in state if n.endswith(".attn.qkv.weight") or n.endswith(".attn.qkv.bias")]:
+        prefix, kind = name.rsplit(".attn.qkv.", 1)
+        fused = state.pop(name)
+        state[f"{prefix}.attn.q.{kind}"], state[f"{prefix}.attn.kv.{kind}"] = fused[:cfg.d_model], fused[cfg.d_model:]
+    return state
+
+
 SPEC = register(ArchSpec(
     name="baseline",
     config_cls=BaselineConfig,
@@ -168,4 +178,5 @@ SPEC = register(ArchSpec(
     tp_dims=tp_dims,
     recompute_units=lambda model: list(model.blocks),
     hf=LLAMA,  # transformers' LlamaForCausalLM (pretrain export --format hf, pretrain import)
+    upgrade_state=upgrade_state,
 ))

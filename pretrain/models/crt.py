@@ -503,6 +503,7 @@ SPEC = register(ArchSpec(
     tp_dims=tp_dims,
     convert=convert,
     convert_fields=lambda source_arch, source_cfg: {"block": "llama"} if source_arch == "baseline" else {},
+    upgrade_state=baseline.upgrade_state,  # its attention is the baseline's (trunk.blocks.*.attn.qkv before GQA)
     # pass: keep only each pass's input and recompute the pass (memory ~K B T C plus one pass);
     # block: keep each block's input in each pass (K D B T C plus one block)
     recompute_units={"pass": _pass_units, "block": _block_units},

@@ -95,6 +95,10 @@ class ArchSpec:
     # (pretrain/models/hf_llama.py's LlamaAdapter is the interface), for `--format hf` and import.
     export_refusal: str = ""
     hf: Any | None = None
+    # Tensors as an earlier version of the model saved them, renamed or split into today's:
+    # upgrade_state(state, cfg) -> state (full single-device tensors). Export and import apply it, so
+    # `pretrain import OLD_RUN NEW_RUN` carries an older run's weights forward. None: nothing changed.
+    upgrade_state: Callable[[dict, Any], dict] | None = None
     # Starting a run from another architecture's weights (checkpoint.init_from):
     # convert(source_arch, source_cfg, source_state, target_cfg) -> this architecture's full,
     # single-device state dict (every name its model's state_dict has, tied weights under each name).
