@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -79,9 +78,11 @@ def bench_train(a) -> None:
         print(f"{name:<12} {f:>10.3f} {b:>11.3f} {f / rf:>7.2f} {b / rb:>7.2f} {(f + b) / (rf + rb):>7.2f}")
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status_bytes(key: str) -> int:
+    """VmRSS or VmHWM of this process. VmHWM starts afresh at exec, unlike ru_maxrss, which carries the
+    parent's peak across fork and exec (after `all`'s training benchmark it hid every policy's own peak)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) * 1024
 
 
 def memory_child(a) -> None:
@@ -101,7 +102,7 @@ def memory_child(a) -> None:
     opt.step()
     opt.zero_grad(set_to_none=False)  # keep the gradient buffers: they are not activations
     batch = batch_of(a.batch, a.seq, a.vocab)
-    before = rss_bytes()
+    before = status_bytes("VmRSS")
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -109,7 +110,7 @@ def memory_child(a) -> None:
         opt.step()
         opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = status_bytes("VmHWM")
     print(json.dumps({"policy": a.policy, "activation_peak_mb": (peak - before) / 2**20,
                       "step_s": statistics.median(times)}))
 
