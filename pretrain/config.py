@@ -126,6 +126,9 @@ class DataConfig:
         one sentence naming the path and the field to override."""
         if "eval" in fields:
             fields = (*fields, *self.eval_fields())
+            if not (self.valid or self.train or self.task):  # e.g. a run made by `pretrain import`
+                raise ConfigError("no validation data: this run names no datasets; give them with the override "
+                                  "data.valid=[PREFIX]")
         for name in ("train", "valid"):
             for prefix in getattr(self, name) if name in fields else ():
                 if not (os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin")):

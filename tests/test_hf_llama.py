@@ -114,6 +114,12 @@ def test_import_a_llama_then_fine_tune_it(tmp_path, corpus, tie, capsys):
     theirs, _ = hf_logits(llama)
     with torch.no_grad():
         torch.testing.assert_close(spec.logits(ours, TOKENS), theirs, rtol=0, atol=1e-5)
+    # an imported run names no datasets: evaluating it asks for them in one sentence, then runs on them
+    assert main(["eval", run]) == 2
+    assert "no validation data: this run names no datasets" in capsys.readouterr().err
+    data = [f"data.valid=[{corpus}]", "data.seq_len=32", f"data.cache_dir={tmp_path}/cache", "--batches", "1"]
+    assert main(["eval", run, *data]) == 0
+    assert "val loss" in capsys.readouterr().out
     # fine-tuning is a new run that starts from the imported weights; resuming the import is refused
     over = run_overrides(tmp_path, corpus, **{"train.max_steps": 2, "checkpoint.every": 2,
                                               "schedule.warmup_steps": 1})
