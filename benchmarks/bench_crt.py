@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from procmem import status_kib  # benchmarks/ (this script's folder)
 from pretrain.data.batch import Batch
 from pretrain.models.base import StepContext
 from pretrain.models.crt import CRT, CRTConfig
@@ -78,13 +79,6 @@ def bench_train(a) -> None:
         print(f"{name:<12} {f:>10.3f} {b:>11.3f} {f / rf:>7.2f} {b / rb:>7.2f} {(f + b) / (rf + rb):>7.2f}")
 
 
-def status_bytes(key: str) -> int:
-    """VmRSS or VmHWM of this process. VmHWM starts afresh at exec, unlike ru_maxrss, which carries the
-    parent's peak across fork and exec (after `all`'s training benchmark it hid every policy's own peak)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) * 1024
-
-
 def memory_child(a) -> None:
     """One policy in this process: weights, grads and Adam moments first (a small step), then the
     measured steps; prints JSON with the activation peak and the median step time."""
@@ -102,7 +96,7 @@ def memory_child(a) -> None:
     opt.step()
     opt.zero_grad(set_to_none=False)  # keep the gradient buffers: they are not activations
     batch = batch_of(a.batch, a.seq, a.vocab)
-    before = status_bytes("VmRSS")
+    before = status_kib("VmRSS") * 1024
     times = []
     for _ in range(a.steps):
         t0 = time.perf_counter()
@@ -110,7 +104,7 @@ def memory_child(a) -> None:
         opt.step()
         opt.zero_grad(set_to_none=False)
         times.append(time.perf_counter() - t0)
-    peak = status_bytes("VmHWM")
+    peak = status_kib("VmHWM") * 1024  # not ru_maxrss: the parent's peak
     print(json.dumps({"policy": a.policy, "activation_peak_mb": (peak - before) / 2**20,
                       "step_s": statistics.median(times)}))
 

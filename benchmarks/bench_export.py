@@ -29,9 +29,9 @@ from pretrain.export.loader import load_folder
 from pretrain.generate import load_for_inference
 import pretrain.models, pretrain.checkpoint, safetensors.torch
 pretrain.models.all_archs()
-def status_mb(key):  # VmHWM, unlike ru_maxrss, starts afresh at exec (not the parent's peak)
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith(key)) / 1024
+from procmem import status_kib
+def status_mb(key):
+    return status_kib(key) / 1024
 start = status_mb("VmRSS")
 t0 = time.perf_counter()
 what, a, b = sys.argv[1:4]
@@ -50,7 +50,7 @@ print(json.dumps({"seconds": seconds, "start_mb": start, "peak_mb": peak}))
 
 
 def run(*args) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]))  # HERE: procmem
     out = subprocess.run([sys.executable, "-c", MEASURE, *args], capture_output=True, text=True, env=env)
     if out.returncode:
         sys.exit(out.stderr)

@@ -29,6 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from procmem import status_kib  # noqa: E402  (benchmarks/, this script's folder)
+
 DOC_DIR = "/usr/share/doc/linux-doc-6.1"
 TEXT_SUFFIXES = (".rst", ".txt", ".yaml", ".html", ".py", ".c", ".h", ".sh", ".json", ".tex")
 
@@ -68,8 +70,7 @@ def build_corpus(path: str) -> None:
 
 def _rss_mb(pid: int) -> int:
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0) >> 10
+        return status_kib("VmRSS", pid) >> 10
     except OSError:  # the process has just exited
         return 0
 
