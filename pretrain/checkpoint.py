@@ -182,6 +182,25 @@ def incomplete(path: str) -> str | None:
     return _problem(path)
 
 
+def checkpoint_to_read(path: str) -> tuple[str, bool]:
+    """(the checkpoint directory `path` names, whether `path` is a run directory), for everything that
+    reads a trained model (eval, generate, export, import, checkpoint.init_from): a checkpoint
+    directory (complete, or CheckpointError saying why not) or a run's, the one `latest` names
+    (load_latest may still fall back past it when it fails its checksums)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    named_like_one = os.path.isfile(os.path.join(path, DCP_METADATA)) or _STEP_DIR.fullmatch(
+        os.path.basename(os.path.normpath(path)))
+    if os.path.isfile(os.path.join(path, META_FILE)) or named_like_one:
+        if (why := _problem(path)) is not None:
+            raise CheckpointError(f"checkpoint {path} {why}")
+        return path, False
+    ckpt = latest_checkpoint(path, log=lambda _: None)
+    if ckpt is None:
+        raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
+    return ckpt, True
+
+
 def _step_dirs(root: str) -> list[tuple[int, str]]:
     """(step, name) of every final-named checkpoint directory, complete or not, ascending."""
     names = os.listdir(root) if os.path.isdir(root) else []

@@ -193,15 +193,12 @@ _CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "
 
 
 def _info(args) -> int:
-    import torch
-
     from pretrain.config import load_config
-    from pretrain.models import count_parameters, get_arch
+    from pretrain.models import count_parameters, get_arch, meta_model
 
     cfg = load_config(args.config, args.overrides, check_data=False)
     spec = get_arch(cfg.model.arch)
-    with torch.device("meta"):
-        counts = count_parameters(spec.build(cfg.model))
+    counts = count_parameters(meta_model(cfg.model))
     flops = spec.flops_per_token(cfg.model, cfg.data.seq_len, None)
     out = {"params_total": counts["total"], "params_embedding": counts["embedding"],
            "params_non_embedding": counts["non_embedding"], "flops_per_token": flops,

@@ -5,8 +5,6 @@ and the cached decode is the function its parallel forward computes (tests hold 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -63,37 +61,32 @@ def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tu
                        need: tuple = ("tokenizer",)):
     """(model, spec, config, tokenizer or None) from a run directory (its latest usable checkpoint,
     falling back past corrupt ones with a line), a checkpoint directory (a corrupt file is an error
-    naming it) or an exported folder (pretrain/export/loader.py). The stored config's paths are found where the run now is (pretrain/runs.py), then
-    `overrides` apply (only those that keep the trained weights, see runs.check_inference_overrides),
+    naming it) or an exported folder (pretrain/export/loader.py). The stored config's paths are found
+    where the run now is (pretrain/runs.py), then `overrides` apply (only those that keep the trained weights, see runs.check_inference_overrides),
     then the data files `need` names are checked (DataConfig.check_files)."""
     from pretrain.export.loader import is_export_folder, load_folder
 
     if is_export_folder(path):  # a folder written by `pretrain export` (torch and safetensors only)
         return load_folder(path, device, overrides, log, need)
     from data_tools.tokenizer import load_tokenizer
-    from pretrain.checkpoint import META_FILE, latest_checkpoint, load_checkpoint, load_latest, read_meta
+    from pretrain.checkpoint import checkpoint_to_read, load_checkpoint, load_latest
     from pretrain.config import config_from_dict
     from pretrain.models import get_arch
-    from pretrain.runs import check_inference_overrides, relocate
+    from pretrain.runs import check_inference_overrides, stored_config
 
-    explicit = os.path.isfile(os.path.join(path, META_FILE))
-    ckpt = path if explicit else latest_checkpoint(path, log=lambda _: None)  # load_latest says why, below
-    if ckpt is None:
-        raise ValueError(f"{path} is neither a checkpoint nor a run directory with a complete checkpoint")
-    stored = read_meta(ckpt)["config"]
-    check_inference_overrides(stored, overrides)
-    cfg = config_from_dict(stored)
-    relocate(cfg, os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), log)
+    ckpt, is_run = checkpoint_to_read(path)  # load_latest says why when it falls back, below
+    meta, cfg, _ = stored_config(ckpt, log)
+    check_inference_overrides(meta["config"], overrides)
     cfg = config_from_dict(cfg.to_dict(), overrides=overrides)
     cfg.data.check_files(need)
     spec = get_arch(cfg.model.arch)
     with torch.device(device):  # initialised, then overwritten by the checkpoint's weights
         model = spec.build(cfg.model)
     kw = dict(optimizer=None, restore_rng=False, expect_arch=cfg.model.arch, verify=cfg.checkpoint.verify, log=log)
-    if explicit:
-        load_checkpoint(ckpt, model, **kw)
-    else:
+    if is_run:
         load_latest(path, model, **kw)
+    else:
+        load_checkpoint(ckpt, model, **kw)
     model.eval()
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     return model, spec, cfg, tokenizer

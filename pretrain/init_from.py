@@ -18,8 +18,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-META_FILE = "meta.json"  # a checkpoint directory's (pretrain.checkpoint.META_FILE, without importing torch)
-
 
 @dataclass
 class Source:
@@ -47,25 +45,18 @@ def applies(cfg) -> bool:
 def resolve(cfg) -> Source:
     """The source checkpoint.init_from names and its stored config; ConfigError (one sentence naming
     it) when it is missing, not a checkpoint, unreadable, or of an unknown architecture."""
-    from pretrain.checkpoint import CheckpointError, incomplete, latest_checkpoint, read_meta
-    from pretrain.config import ConfigError, config_from_dict
+    from pretrain.checkpoint import CheckpointError, checkpoint_to_read
+    from pretrain.config import ConfigError
     from pretrain.models import get_arch
+    from pretrain.runs import stored_config
 
     given = cfg.checkpoint.init_from
     name = f"checkpoint.init_from {given!r}"
-    is_run = not os.path.isfile(os.path.join(given, META_FILE))
-    path = latest_checkpoint(given, log=_quiet) if is_run else given
-    if path is None:
-        what = "does not exist" if not os.path.exists(given) else \
-            "is neither a checkpoint directory nor a run directory with a complete checkpoint"
-        raise ConfigError(f"{name} {what}")
-    if not is_run and (why := incomplete(path)) is not None:
-        raise ConfigError(f"{name} cannot be used: checkpoint {path} {why}")
+    if not os.path.exists(given):
+        raise ConfigError(f"{name} does not exist")
     try:
-        stored = read_meta(path).get("config")
-        if not isinstance(stored, dict) or not isinstance(stored.get("model"), dict):
-            raise ConfigError("its meta.json holds no run config")
-        source = config_from_dict(stored).model
+        path, is_run = checkpoint_to_read(given)
+        source = stored_config(path, log=_quiet)[1].model
     except (CheckpointError, ValueError) as e:  # ConfigError and an unknown model.arch are ValueErrors
         raise ConfigError(f"{name} cannot be used: {e}") from None
     spec = get_arch(cfg.model.arch)
@@ -83,16 +74,10 @@ def check(cfg) -> None:
     shapes, or a conversion that succeeds and returns them), decided on the meta device."""
     if not applies(cfg):
         return
-    import torch
-
-    from parallel.mesh import single_device
-    from pretrain.models import get_arch
+    from pretrain.models import meta_model, weight_shapes
 
     source = resolve(cfg)
-    with torch.device("meta"), single_device():
-        state = get_arch(source.arch).build(source.model).state_dict()
-        target = get_arch(cfg.model.arch).build(cfg.model).state_dict()
-    state_for(source, cfg, state, {k: tuple(v.shape) for k, v in target.items()})
+    state_for(source, cfg, meta_model(source.model).state_dict(), weight_shapes(cfg.model))
 
 
 def state_for(source: Source, cfg, state: dict, shapes: dict, name: str = "") -> dict:

@@ -82,6 +82,21 @@ def relocate(cfg, run_dir: str, log=print) -> None:
     cfg.train.run_dir = here
 
 
+def stored_config(ckpt: str, log=print):
+    """(meta.json, the stored RunConfig with its paths found where the run now is, the run directory)."""
+    from pretrain.checkpoint import META_FILE, CheckpointError, read_meta
+    from pretrain.config import config_from_dict
+
+    meta = read_meta(ckpt)
+    stored = meta.get("config")
+    if not isinstance(stored, dict) or not isinstance(stored.get("model"), dict):
+        raise CheckpointError(f"checkpoint {ckpt} holds no run config in its {META_FILE}")
+    cfg = config_from_dict(stored)
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    relocate(cfg, run_dir, log)
+    return meta, cfg, run_dir
+
+
 # Fields `pretrain eval`/`generate` accept as overrides: those that leave the trained function alone
 # or only say where things are. model.* fields are allowed when every weight keeps its shape (an
 # architecture's inference-time fields, such as a loop count, pass; widths and depths do not).
@@ -94,6 +109,7 @@ def check_inference_overrides(stored: dict, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from pretrain.config import ConfigError, _one_line, config_from_dict
+    from pretrain.models import weight_shapes
 
     try:
         cli = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
@@ -113,22 +129,12 @@ def check_inference_overrides(stored: dict, overrides: list[str]) -> None:
     model_keys = [k for k in (cli.get("model") or {}) if k != "arch"]
     if not model_keys:
         return
-    before = _weight_shapes(config_from_dict(stored))
+    before = weight_shapes(config_from_dict(stored).model)
     for key in model_keys:
         one = OmegaConf.merge(OmegaConf.create(stored), {"model": {key: cli["model"][key]}})
-        after = _weight_shapes(config_from_dict(OmegaConf.to_container(one)))
+        after = weight_shapes(config_from_dict(OmegaConf.to_container(one)).model)
         changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
         if changed:
             n = changed[0]
             raise ConfigError(f"model.{key}={cli['model'][key]} would change the trained weights' shapes "
                               f"({n}: {before.get(n)} -> {after.get(n)}); it cannot be overridden after training")
-
-
-def _weight_shapes(cfg) -> dict[str, tuple]:
-    import torch
-
-    from pretrain.models import get_arch
-
-    with torch.device("meta"):
-        model = get_arch(cfg.model.arch).build(cfg.model)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}

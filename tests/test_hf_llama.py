@@ -14,7 +14,6 @@ from pretrain.cli import main
 from pretrain.export.importer import import_run
 from pretrain.export.writer import export
 from pretrain.generate import generate, load_for_inference
-from pretrain.models import get_arch
 from pretrain.models.decoder import apply_rope, rope_tables
 from pretrain.models.hf_llama import halves_to_pairs, pairs_to_halves
 from test_export import TOKENS, quiet, train

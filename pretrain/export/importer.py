@@ -125,7 +125,9 @@ def _read_exported(path: str, config: dict, tokenizer: str) -> Imported:
 
 
 def _read_run(path: str, tokenizer: str, log) -> Imported:
-    from pretrain.export.source import checkpoint_to_read, read_checkpoint, stored_config
+    from pretrain.checkpoint import checkpoint_to_read
+    from pretrain.export.source import read_checkpoint
+    from pretrain.runs import stored_config
 
     ckpt, _ = checkpoint_to_read(path)
     _, cfg, run_dir = stored_config(ckpt, log=lambda _: None)
@@ -165,12 +167,11 @@ def import_run(source: str, out: str, arch: str = "", overrides=(), force: bool 
     import torch
 
     from data_tools.tokenizer import load_tokenizer
-    from parallel.mesh import single_device
     from pretrain.checkpoint import SavedModel, save_checkpoint
     from pretrain.config import RUN_CONFIG, DataConfig, config_from_dict, to_yaml
-    from pretrain.export.source import atomic_folder, check_output, model_shapes
+    from pretrain.export.source import atomic_folder, check_output
     from pretrain.init_from import Source, state_for
-    from pretrain.models import count_parameters, get_arch
+    from pretrain.models import count_parameters, get_arch, meta_model, weight_shapes
 
     check_output(out, force, source)
     if tokenizer and not os.path.exists(tokenizer):
@@ -191,13 +192,11 @@ def import_run(source: str, out: str, arch: str = "", overrides=(), force: bool 
     if tok is not None and tok.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer {tok.path} has {tok.vocab_size} tokens but the model's vocabulary is "
                          f"{cfg.model.vocab_size}: they do not match (pass --tokenizer PATH)")
-    shapes = model_shapes(cfg.model)
+    shapes = weight_shapes(cfg.model)
     how = Source(source, "", False, src.arch, src.model, spec.convert if arch != src.arch else None)
     with torch.device("meta"):  # the conversion and the shapes, decided before any weight is read
-        with single_device():
-            meta_state = {k: torch.empty(v) for k, v in model_shapes(src.model).items()}
-            counts = count_parameters(spec.build(cfg.model))
-        state_for(how, cfg, meta_state, shapes, name=source)
+        state_for(how, cfg, meta_model(src.model).state_dict(), shapes, name=source)
+    counts = count_parameters(meta_model(cfg.model))
     saved = SavedModel()
     saved.state = state_for(how, cfg, src.load_state(), shapes, name=source)
     meta = {"consumed_samples": 0, "config": cfg.to_dict(), "imported_from": os.path.abspath(source),

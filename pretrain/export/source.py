@@ -22,48 +22,14 @@ class Checkpointed:
     state: dict  # {state_dict name: tensor}, every name the model's state_dict has
 
 
-def checkpoint_to_read(path: str) -> tuple[str, bool]:
-    """(the checkpoint directory `path` names, whether `path` is a run directory): a run's is the one
-    `latest` names (load_latest may still fall back past it when it fails its checksums)."""
-    from pretrain.checkpoint import META_FILE, CheckpointError, incomplete, latest_checkpoint
-
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} does not exist")
-    looks_like_one = os.path.isfile(os.path.join(path, ".metadata")) or re.fullmatch(
-        r"step_\d+", os.path.basename(os.path.normpath(path)))
-    if os.path.isfile(os.path.join(path, META_FILE)) or looks_like_one:
-        if (why := incomplete(path)) is not None:
-            raise CheckpointError(f"checkpoint {path} {why}")
-        return path, False
-    ckpt = latest_checkpoint(path, log=lambda _: None)
-    if ckpt is None:
-        raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
-    return ckpt, True
-
-
-def stored_config(ckpt: str, log=print):
-    """(meta.json, the stored RunConfig with its paths found where the run now is, the run directory)."""
-    from pretrain.checkpoint import META_FILE, CheckpointError, read_meta
-    from pretrain.config import config_from_dict
-    from pretrain.runs import relocate
-
-    meta = read_meta(ckpt)
-    stored = meta.get("config")
-    if not isinstance(stored, dict) or not isinstance(stored.get("model"), dict):
-        raise CheckpointError(f"checkpoint {ckpt} holds no run config in its {META_FILE}")
-    cfg = config_from_dict(stored)
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
-    relocate(cfg, run_dir, log)
-    return meta, cfg, run_dir
-
-
 def read_checkpoint(path: str, log=print) -> Checkpointed:
     """The newest verified checkpoint of run directory `path` (falling back past a corrupt one with a
     line, as eval does), or checkpoint directory `path` (a corrupt or half-written file is an error
     naming it). Loads the model tensors only (no optimizer), whatever layout saved them, and checks
     them against the model its config builds (names and shapes)."""
-    from pretrain.checkpoint import CheckpointError, SavedModel, load_checkpoint, load_latest
-    from pretrain.models import get_arch
+    from pretrain.checkpoint import CheckpointError, SavedModel, checkpoint_to_read, load_checkpoint, load_latest
+    from pretrain.models import get_arch, weight_shapes
+    from pretrain.runs import stored_config
 
     ckpt, is_run = checkpoint_to_read(path)
     saved = SavedModel()
@@ -75,7 +41,7 @@ def read_checkpoint(path: str, log=print) -> Checkpointed:
     upgrade = get_arch(cfg.model.arch).upgrade_state
     if upgrade is not None:
         saved.state = upgrade(saved.state, cfg.model)
-    shapes = model_shapes(cfg.model)
+    shapes = weight_shapes(cfg.model)
     for name, shape in shapes.items():
         got = tuple(saved.state[name].shape) if name in saved.state else None
         if got != shape:
@@ -89,30 +55,12 @@ def read_checkpoint(path: str, log=print) -> Checkpointed:
     return Checkpointed(ckpt, run_dir, meta, cfg, saved.state)
 
 
-def model_shapes(model_cfg) -> dict[str, tuple]:
-    """{state-dict name: shape} of the single-device model, built on the meta device."""
-    import torch
-
-    from parallel.mesh import single_device
-    from pretrain.models import get_arch
-
-    with torch.device("meta"), single_device():
-        return {k: tuple(v.shape) for k, v in get_arch(model_cfg.arch).build(model_cfg).state_dict().items()}
-
-
-def tied_aliases(arch: str, model_cfg) -> dict[str, str]:
-    """{name: the first name of the same tensor} for state-dict names that share a tensor (a tied
-    head), found by building the single-device model on the meta device."""
-    import torch
-
-    from parallel.mesh import single_device
-    from pretrain.models import get_arch
-
-    with torch.device("meta"), single_device():
-        sd = get_arch(arch).build(model_cfg).state_dict(keep_vars=True)
+def tied_aliases(model) -> dict[str, str]:
+    """{name: the first name of the same tensor} for the state-dict names of `model` that share a
+    tensor (a tied head)."""
     first: dict[int, str] = {}
     aliases = {}
-    for name, tensor in sd.items():
+    for name, tensor in model.state_dict(keep_vars=True).items():
         key = id(tensor)
         if key in first:
             aliases[name] = first[key]

@@ -75,11 +75,11 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
     """Export checkpoint or run `source` to folder `out` (see the module docstring); returns a summary."""
     import torch
 
-    from parallel.mesh import single_device
-    from pretrain.export.source import (atomic_folder, check_output, checkpoint_to_read, read_checkpoint,
-                                        stored_config, tied_aliases)
+    from pretrain.checkpoint import checkpoint_to_read
+    from pretrain.export.source import atomic_folder, check_output, read_checkpoint, tied_aliases
     from pretrain.export.tensorfile import write_safetensors
-    from pretrain.models import count_parameters, get_arch
+    from pretrain.models import count_parameters, get_arch, meta_model
+    from pretrain.runs import stored_config
 
     if fmt not in ("native", "hf"):
         raise ValueError(f"--format {fmt!r} is not one of native, hf")
@@ -104,7 +104,8 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
                          f"{peek.model.vocab_size}")
     ck = read_checkpoint(source, log)
     cfg = ck.cfg
-    aliases = tied_aliases(arch, cfg.model)
+    meta_copy = meta_model(cfg.model)  # names, tied tensors and parameter counts
+    aliases = tied_aliases(meta_copy)
     first = {name: t for name, t in ck.state.items() if name not in aliases}
     target = getattr(torch, dtype) if dtype else None  # None: every tensor keeps its own dtype
 
@@ -116,7 +117,9 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
 
     if fmt == "hf":
         producers = spec.hf.weights_to_hf(cfg.model, ck.state)  # {hf name: (shape, () -> tensor)}
-        specs = {name: (shape, dtype_of(ck.state["embed.weight"])) for name, (shape, _) in producers.items()}
+        # one dtype for the whole HF folder (its config.json names one): the weights' own, or --dtype
+        weights_dtype = dtype_of(next(t for t in ck.state.values() if t.is_floating_point()))
+        specs = {name: (shape, weights_dtype) for name, (shape, _) in producers.items()}
 
         def tensor_of(name):
             t = producers[name][1]()
@@ -127,8 +130,7 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         def tensor_of(name):
             return cast(first[name])
 
-    with torch.device("meta"), single_device():
-        counts = count_parameters(spec.build(cfg.model))
+    counts = count_parameters(meta_copy)
     metrics = _final_metrics(ck.run_dir, int(ck.meta["step"]))
     metrics.setdefault("tokens", int(ck.meta["step"]) * cfg.tokens_per_step)
     kinds = sorted({str(d).removeprefix("torch.") for _, d in specs.values()})

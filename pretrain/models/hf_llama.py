@@ -110,12 +110,8 @@ class LlamaAdapter:
 
     # -- import ------------------------------------------------------------------------------
     def model_fields(self, hf: dict) -> dict:
-        """The BaselineConfig fields of HF config.json `hf`; ValueError naming what is unsupported."""
-        if hf.get("model_type") != self.model_type:
-            extra = " (its sliding-window attention is not the baseline's Llama block)" \
-                if hf.get("sliding_window") else ""
-            raise ValueError(f"model_type {hf.get('model_type')!r} is not supported{extra}: only Llama folders "
-                             f"(model_type {self.model_type!r}) are imported")
+        """The BaselineConfig fields of HF config.json `hf` (of this adapter's model_type: the importer
+        picks the adapter by it); ValueError naming what is unsupported."""
         if hf.get("sliding_window"):
             raise ValueError(f"sliding_window={hf['sliding_window']} is not supported: the baseline's Llama block "
                              "attends to the whole context")

@@ -141,6 +141,22 @@ def count_parameters(model) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
 
 
+def meta_model(model_cfg):
+    """The single-device model of `model_cfg` built on the meta device (nothing allocated), whatever
+    parallel layout this process has set up: for its names, shapes, tied tensors and parameter counts."""
+    import torch
+
+    from parallel.mesh import single_device
+
+    with torch.device("meta"), single_device():
+        return get_arch(model_cfg.arch).build(model_cfg)
+
+
+def weight_shapes(model_cfg) -> dict[str, tuple]:
+    """{state-dict name: shape} of the single-device model of `model_cfg`."""
+    return {k: tuple(v.shape) for k, v in meta_model(model_cfg).state_dict().items()}
+
+
 _REGISTRY: dict[str, ArchSpec] = {}
 
 
