@@ -165,6 +165,20 @@ def shift_right(x: Tensor, reset: Tensor | None = None) -> Tensor:
     return local_sequence(y)
 
 
+def local_heads(n: int) -> slice:
+    """The heads (of n, split evenly by TP like a ColumnLinear's output) this rank holds: for per-head
+    constants a model builds itself, such as ALiBi slopes."""
+    lay = layout()
+    per = n // lay.tp
+    return slice(lay.tp_rank * per, (lay.tp_rank + 1) * per)
+
+
+def refuse_under_tp(what: str, why: str) -> None:
+    """ValueError in one sentence when a layer that cannot be split is built under tensor parallelism."""
+    if layout().tp > 1:
+        raise ValueError(f"{what} is not supported under tensor parallelism ({why})")
+
+
 def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters whose gradients are partial under sequence parallelism, to be summed over the TP
     group: those their layer marked (which a layer does only when built under SP with tp > 1)."""

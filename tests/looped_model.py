@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pretrain.models import baseline, decoder
+from pretrain.models.blocks import Block
 from pretrain.models.base import EVAL
 from pretrain.models.registry import ArchSpec, Support, register
 
@@ -25,7 +26,7 @@ class LoopedConfig(baseline.BaselineConfig):
 class Looped(decoder.Decoder):
     def __init__(self, cfg: LoopedConfig):
         super().__init__(cfg)
-        self.block = baseline.Block(cfg, depth=cfg.loops)
+        self.block = Block(cfg.block_options(depth=cfg.loops))
 
     def applications(self) -> list[nn.Module]:
         return [self.block] * self.cfg.loops

@@ -20,6 +20,17 @@ from kernels.attention import reference, sdpa
 TOL = dict(rtol=1e-10, atol=1e-12)
 
 
+def M(doc_ids=None, window=None):
+    """The causal decoder's mask value: within documents when doc_ids is given, within `window` keys
+    when window is given (a window below one is refused when the mask is made)."""
+    mask = attn.causal()
+    if doc_ids is not None:
+        mask = mask & attn.document(doc_ids)
+    if window is not None:
+        mask = mask & attn.window(window)
+    return mask
+
+
 @pytest.fixture(autouse=True)
 def automatic_path():
     attn.use_path(None)
@@ -68,8 +79,8 @@ def assert_same(fast, ref):
 def test_sdpa_matches_reference(B, H, T, Dh, docs, scale):
     q, k, v = qkv(B, H, T, T, Dh)
     doc_ids = packed_doc_ids(B, T) if docs else None
-    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, doc_ids, scale), q, k, v)
-    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, doc_ids, scale), q, k, v)
+    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, M(doc_ids), scale=scale), q, k, v)
+    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, M(doc_ids), scale=scale), q, k, v)
     assert_same(fast, ref)
 
 
@@ -78,7 +89,7 @@ def test_reference_is_the_textbook_formula():
     B, H, T, Dh = 2, 1, 6, 3
     q, k, v = (t.detach() for t in qkv(B, H, T, T, Dh))
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
-    out = reference.attention(q, k, v, doc_ids)
+    out = reference.attention(q, k, v, M(doc_ids))
     for b, i in itertools.product(range(B), range(T)):
         keys = [j for j in range(i + 1) if doc_ids[b, j] == doc_ids[b, i]]
         w = torch.softmax(q[b, 0, i] @ k[b, 0, keys].T / Dh**0.5, dim=-1)
@@ -96,12 +107,12 @@ def test_cached_attention_equals_the_tail_of_full_attention(path, offset, Tq):
     q_full, k, v = qkv(B, H, Tk, Tk, Dh, seed=offset + Tq)
     q = q_full.detach()[:, :, offset:].requires_grad_()
     attn.use_path(path)
-    dec = output_and_grads(lambda q, k, v: attn.cached_attention(q, k, v, offset), q, k, v)
+    dec = output_and_grads(lambda q, k, v: attn.attention(q, k, v, M(), offset), q, k, v)
     assert attn.paths_used() == {path}
     # The full-length run with the decode's output gradient on its last Tq rows and zero on the cached
     # rows: its tail must equal the decode in output and dq, and its dk, dv must equal the decode's.
     grad_full = torch.cat([torch.zeros(B, H, offset, Dh, dtype=torch.float64), cotangent(dec[0].shape)], dim=2)
-    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v), q_full, k, v, grad_full)
+    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v, M()), q_full, k, v, grad_full)
     assert_same(dec, [out[:, :, offset:], dq[:, :, offset:], dk, dv])
     assert torch.all(dq[:, :, :offset] == 0)
 
@@ -110,20 +121,20 @@ def test_dispatcher_reports_and_forces_the_path():
     q, k, v = (t.detach() for t in qkv(2, 3, 7, 7, 4))
     doc_ids = packed_doc_ids(2, 7)
     assert attn.paths_used() == set()
-    fast = attn.attention(q, k, v, doc_ids)
+    fast = attn.attention(q, k, v, M(doc_ids))
     assert attn.paths_used() == {"sdpa"}
     attn.use_path("reference")
     attn.reset_paths_used()
-    forced = attn.attention(q, k, v, doc_ids)
+    forced = attn.attention(q, k, v, M(doc_ids))
     assert attn.paths_used() == {"reference"}
-    torch.testing.assert_close(forced, reference.attention(q, k, v, doc_ids), rtol=0, atol=0)
+    torch.testing.assert_close(forced, reference.attention(q, k, v, M(doc_ids)), rtol=0, atol=0)
     torch.testing.assert_close(fast, forced, **TOL)
     with pytest.raises(ValueError, match="'triton' is not an attention path"):
         attn.use_path("triton")
 
 
 def test_environment_variable_forces_the_path():
-    code = ("import torch, kernels.attention as a; x = torch.randn(1, 1, 3, 2); a.attention(x, x, x); "
+    code = ("import torch, kernels.attention as a; x = torch.randn(1, 1, 3, 2); a.attention(x, x, x, a.causal()); "
             "print(sorted(a.paths_used()))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PRETRAIN_ATTENTION": "reference", "PYTHONPATH": root}
@@ -141,7 +152,7 @@ def test_compiles_with_fullgraph():
     doc_ids = packed_doc_ids(2, 7)
 
     def fn(q, k, v, doc_ids):
-        return attn.attention(q, k, v) + attn.attention(q, k, v, doc_ids) + attn.cached_attention(q, k, v, 0)
+        return attn.attention(q, k, v, M()) + attn.attention(q, k, v, M(doc_ids)) + attn.attention(q, k, v, M(), 0)
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     out = compiled(q, k, v, doc_ids)
@@ -165,7 +176,7 @@ def test_windowed_reference_is_the_textbook_formula():
     B, H, T, Dh, window = 2, 1, 9, 3, 3
     q, k, v = (t.detach() for t in qkv(B, H, T, T, Dh))
     doc_ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1, 1, 2]])
-    out = reference.attention(q, k, v, doc_ids, window=window)
+    out = reference.attention(q, k, v, M(doc_ids, window))
     for b, i in itertools.product(range(B), range(T)):
         keys = [j for j in range(i - window + 1, i + 1) if j >= 0 and doc_ids[b, j] == doc_ids[b, i]]
         w = torch.softmax(q[b, 0, i] @ k[b, 0, keys].T / Dh**0.5, dim=-1)
@@ -178,12 +189,12 @@ def test_windowed_reference_is_the_textbook_formula():
 def test_windowed_sdpa_matches_reference(B, H, T, Dh, docs, window):
     q, k, v = qkv(B, H, T, T, Dh, seed=window)
     doc_ids = packed_doc_ids(B, T) if docs else None
-    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, doc_ids, 0.37, window), q, k, v)
-    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, doc_ids, 0.37, window=window), q, k, v)
+    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, M(doc_ids, window), scale=0.37), q, k, v)
+    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, M(doc_ids, window), scale=0.37), q, k, v)
     assert_same(fast, ref)
     longest_doc = T - 3 if docs else T  # packed_doc_ids' last document of row 0
     if window < longest_doc:  # the window must actually change the answer, or this test could not fail
-        plain = reference.attention(q, k, v, doc_ids, 0.37).detach()
+        plain = reference.attention(q, k, v, M(doc_ids), scale=0.37).detach()
         assert not torch.allclose(fast[0], plain)
 
 
@@ -194,23 +205,23 @@ def test_windowed_cached_attention_equals_full_row_by_row(path, window):
     (passing the offset into the trimmed cache), equals the full windowed attention at every row."""
     B, H, T, Dh = 2, 3, 11, 4
     q, k, v = (t.detach() for t in qkv(B, H, T, T, Dh, seed=3))
-    full = reference.attention(q, k, v, window=window)
+    full = reference.attention(q, k, v, M(None, window))
     attn.use_path(path)
     for t in range(T):
-        row = attn.cached_attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], t, window=window)
+        row = attn.attention(q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], M(None, window), t)
         torch.testing.assert_close(row[:, :, 0], full[:, :, t], **TOL)
         start = max(0, t - window + 1)
-        trimmed = attn.cached_attention(q[:, :, t : t + 1], k[:, :, start : t + 1], v[:, :, start : t + 1],
-                                        t - start, window=window)
+        trimmed = attn.attention(q[:, :, t : t + 1], k[:, :, start : t + 1], v[:, :, start : t + 1],
+                                 M(None, window), t - start)
         torch.testing.assert_close(trimmed[:, :, 0], full[:, :, t], **TOL)
     # and a multi-token chunk after a cache (chunked prefill), with gradients
     offset = 4
     qc = q[:, :, offset:].clone().requires_grad_()
     kr, vr = k.clone().requires_grad_(), v.clone().requires_grad_()
-    dec = output_and_grads(lambda q, k, v: attn.cached_attention(q, k, v, offset, window=window), qc, kr, vr)
+    dec = output_and_grads(lambda q, k, v: attn.attention(q, k, v, M(None, window), offset), qc, kr, vr)
     qf = q.clone().requires_grad_()
     grad_full = torch.cat([torch.zeros(B, H, offset, Dh, dtype=torch.float64), cotangent(dec[0].shape)], dim=2)
-    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v, window=window), qf, kr, vr,
+    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v, M(None, window)), qf, kr, vr,
                                        grad_full)
     assert_same(dec, [out[:, :, offset:], dq[:, :, offset:], dk, dv])
     assert attn.paths_used() == {path}
@@ -223,12 +234,12 @@ def test_window_at_least_T_equals_no_window(path, docs):
     q, k, v = qkv(B, H, T, T, Dh, seed=5)
     doc_ids = packed_doc_ids(B, T) if docs else None
     attn.use_path(path)
-    plain = output_and_grads(lambda q, k, v: attn.attention(q, k, v, doc_ids), q, k, v)
+    plain = output_and_grads(lambda q, k, v: attn.attention(q, k, v, M(doc_ids)), q, k, v)
     for window in (T, T + 1, 1000):
-        assert_same(output_and_grads(lambda q, k, v: attn.attention(q, k, v, doc_ids, window=window), q, k, v),
+        assert_same(output_and_grads(lambda q, k, v: attn.attention(q, k, v, M(doc_ids, window)), q, k, v),
                     plain)
-        dec = attn.cached_attention(q[:, :, 3:], k, v, 3, window=window)
-        torch.testing.assert_close(dec, attn.cached_attention(q[:, :, 3:], k, v, 3), **TOL)
+        dec = attn.attention(q[:, :, 3:], k, v, M(None, window), 3)
+        torch.testing.assert_close(dec, attn.attention(q[:, :, 3:], k, v, M(), 3), **TOL)
 
 
 @pytest.mark.parametrize("path", attn.PATHS)
@@ -238,12 +249,12 @@ def test_window_one_attends_to_self_only(path, docs):
     q, k, v = qkv(B, H, T, T, Dh, seed=6)
     doc_ids = packed_doc_ids(B, T) if docs else None
     attn.use_path(path)
-    out, dq, dk, dv = output_and_grads(lambda q, k, v: attn.attention(q, k, v, doc_ids, window=1), q, k, v)
+    out, dq, dk, dv = output_and_grads(lambda q, k, v: attn.attention(q, k, v, M(doc_ids, 1)), q, k, v)
     torch.testing.assert_close(out, v.detach(), **TOL)
     # one key per row: the softmax is constant, so nothing flows to q or k and dv is the cotangent
     assert torch.all(dq.abs() < 1e-12) and torch.all(dk.abs() < 1e-12)
     torch.testing.assert_close(dv, cotangent(out.shape), **TOL)
-    torch.testing.assert_close(attn.cached_attention(q[:, :, 5:], k, v, 5, window=1), v.detach()[:, :, 5:], **TOL)
+    torch.testing.assert_close(attn.attention(q[:, :, 5:], k, v, M(None, 1), 5), v.detach()[:, :, 5:], **TOL)
 
 
 @pytest.mark.parametrize("path", attn.PATHS)
@@ -252,9 +263,9 @@ def test_window_below_one_is_refused(path, window):
     q, k, v = (t.detach() for t in qkv(1, 1, 4, 4, 2))
     attn.use_path(path)
     with pytest.raises(ValueError, match=f"attention window={window} must be at least 1"):
-        attn.attention(q, k, v, window=window)
+        attn.attention(q, k, v, M(None, window))
     with pytest.raises(ValueError, match=f"attention window={window} must be at least 1"):
-        attn.cached_attention(q, k, v, 0, window=window)
+        attn.attention(q, k, v, M(None, window), 0)
 
 
 def test_windowed_attention_compiles_with_fullgraph():
@@ -263,7 +274,7 @@ def test_windowed_attention_compiles_with_fullgraph():
     doc_ids = packed_doc_ids(2, 7)
 
     def fn(q, k, v, doc_ids):
-        return attn.attention(q, k, v, doc_ids, window=3) + attn.cached_attention(q, k, v, 0, window=2)
+        return attn.attention(q, k, v, M(doc_ids, 3)) + attn.attention(q, k, v, M(None, 2), 0)
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     out = compiled(q, k, v, doc_ids)
@@ -288,8 +299,8 @@ def test_gqa_sdpa_matches_reference(H, H_kv, T, docs, window):
     B, Dh = 3, 4
     q, k, v = gqa_qkv(B, H, H_kv, T, T, Dh, seed=H_kv + T)
     doc_ids = packed_doc_ids(B, T) if docs else None
-    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, doc_ids, 0.37, window), q, k, v)
-    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, doc_ids, 0.37, window=window), q, k, v)
+    fast = output_and_grads(lambda q, k, v: sdpa.attention(q, k, v, M(doc_ids, window), scale=0.37), q, k, v)
+    ref = output_and_grads(lambda q, k, v: reference.attention(q, k, v, M(doc_ids, window), scale=0.37), q, k, v)
     assert [t.shape[1] for t in fast] == [H, H, H_kv, H_kv]  # dk, dv have the kv heads' shape
     assert_same(fast, ref)
 
@@ -307,12 +318,12 @@ def test_gqa_reference_is_mha_on_repeated_heads(H_kv):
     def repeated(t):
         return torch.stack([t[:, h // group] for h in range(H)], dim=1)
 
-    gqa = output_and_grads(lambda q, k, v: reference.attention(q, k, v, doc_ids), q, k, v)
-    mha = output_and_grads(lambda q, k, v: reference.attention(q, repeated(k), repeated(v), doc_ids), q, k, v)
+    gqa = output_and_grads(lambda q, k, v: reference.attention(q, k, v, M(doc_ids)), q, k, v)
+    mha = output_and_grads(lambda q, k, v: reference.attention(q, repeated(k), repeated(v), M(doc_ids)), q, k, v)
     assert_same(gqa, mha)
     if H_kv > 1:  # the grouping matters: another assignment of query heads to kv heads answers differently
         shuffled = torch.stack([k[:, h % H_kv] for h in range(H)], dim=1)
-        other = reference.attention(q, shuffled, torch.stack([v[:, h % H_kv] for h in range(H)], dim=1), doc_ids)
+        other = reference.attention(q, shuffled, torch.stack([v[:, h % H_kv] for h in range(H)], dim=1), M(doc_ids))
         assert not torch.allclose(other, gqa[0])
 
 
@@ -325,10 +336,10 @@ def test_gqa_cached_attention_equals_the_tail_of_full_attention(path, offset, Tq
     q_full, k, v = gqa_qkv(B, H, H_kv, Tk, Tk, Dh, seed=offset + Tq)
     q = q_full.detach()[:, :, offset:].requires_grad_()
     attn.use_path(path)
-    dec = output_and_grads(lambda q, k, v: attn.cached_attention(q, k, v, offset, window=window), q, k, v)
+    dec = output_and_grads(lambda q, k, v: attn.attention(q, k, v, M(None, window), offset), q, k, v)
     assert attn.paths_used() == {path}
     grad_full = torch.cat([torch.zeros(B, H, offset, Dh, dtype=torch.float64), cotangent(dec[0].shape)], dim=2)
-    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v, window=window), q_full, k, v,
+    out, dq, dk, dv = output_and_grads(lambda q, k, v: reference.attention(q, k, v, M(None, window)), q_full, k, v,
                                        grad_full)
     assert_same(dec, [out[:, :, offset:], dq[:, :, offset:], dk, dv])
 
@@ -347,11 +358,11 @@ def test_gqa_sdpa_dropout_equals_dropout_on_repeated_heads(docs):
             return fn(q, k, v)
         return run
 
-    gqa = output_and_grads(seeded(lambda q, k, v: sdpa.attention(q, k, v, doc_ids, dropout_p=0.3)), q, k, v)
+    gqa = output_and_grads(seeded(lambda q, k, v: sdpa.attention(q, k, v, M(doc_ids), dropout_p=0.3)), q, k, v)
     mha = output_and_grads(seeded(lambda q, k, v: sdpa.attention(
-        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), doc_ids, dropout_p=0.3)), q, k, v)
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), M(doc_ids), dropout_p=0.3)), q, k, v)
     assert_same(gqa, mha)
-    assert not torch.allclose(gqa[0], sdpa.attention(q, k, v, doc_ids).detach())
+    assert not torch.allclose(gqa[0], sdpa.attention(q, k, v, M(doc_ids)).detach())
 
 
 @pytest.mark.parametrize("path", attn.PATHS)
@@ -362,11 +373,11 @@ def test_kv_heads_that_do_not_divide_the_query_heads_are_refused(path, heads):
     attn.use_path(path)
     message = rf"key and value heads \({H_kv}, {H_kv}\) must be equal and divide the {H} query heads"
     with pytest.raises(ValueError, match=message):
-        attn.attention(q, k, v)
+        attn.attention(q, k, v, M())
     with pytest.raises(ValueError, match=message):
-        attn.cached_attention(q, k, v, 0)
+        attn.attention(q, k, v, M(), 0)
     with pytest.raises(ValueError, match=r"key and value heads \(2, 1\)"):
-        attn.attention(q, k[:, :2], v[:, :1])
+        attn.attention(q, k[:, :2], v[:, :1], M())
 
 
 def test_gqa_compiles_with_fullgraph():
@@ -375,7 +386,7 @@ def test_gqa_compiles_with_fullgraph():
     doc_ids = packed_doc_ids(2, 7)
 
     def fn(q, k, v, doc_ids):
-        return attn.attention(q, k, v) + attn.attention(q, k, v, doc_ids, window=3) + attn.cached_attention(q, k, v, 0)
+        return attn.attention(q, k, v, M()) + attn.attention(q, k, v, M(doc_ids, 3)) + attn.attention(q, k, v, M(), 0)
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     out = compiled(q, k, v, doc_ids)

@@ -15,7 +15,7 @@ import looped_model  # noqa: F401  (registers test_looped: an architecture witho
 from distributed import run_ranks
 from parallel.layers import RMSNorm
 from pretrain.config import ConfigError, load_config
-from pretrain.models import baseline
+from pretrain.models import baseline, blocks
 from pretrain.models.base import EVAL
 from pretrain.models.registry import ArchSpec, register
 from pretrain.trainer import Trainer
@@ -31,14 +31,14 @@ class CorrectedConfig(baseline.BaselineConfig):
     arch: str = "test_corrected"
 
 
-class CorrectedBlock(baseline.Block):
+class CorrectedBlock(blocks.Block):
     def __init__(self, cfg, depth):
-        super().__init__(cfg, depth)
+        super().__init__(cfg.block_options(depth))
         self.corr_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.correction = baseline.SwiGLU(cfg)
+        self.correction = blocks.mlp(cfg.block_options(depth))
 
-    def forward(self, h, cos, sin, doc_ids, cache=None, layer=0):
-        h = super().forward(h, cos, sin, doc_ids, cache, layer)
+    def forward(self, h, a):
+        h = super().forward(h, a)
         return h + self.correction(self.corr_norm(h))
 
 

@@ -1,101 +1,57 @@
-"""Attention with causal and document masks: the entry points every model calls.
+"""Attention: the one entry point every model calls, dispatched over registered paths.
 
-    attention(q, k, v, doc_ids=None, scale=None, window=None)      training and prefill, [B, H, T, Dh]
-    cached_attention(q, k, v, offset, scale=None, window=None)     decode: Tq queries after `offset` cached tokens
+    attention(q, k, v, mask, offset=0, scale=None, dropout_p=0.0, alibi_slopes=None)
 
-k and v may have fewer heads than q (grouped-query attention, [B, H_kv, T, Dh] with H_kv dividing H):
-query head h reads key/value head h // (H / H_kv), as in Llama and Hugging Face; a head count that does
-not divide is a ValueError.
+q [B, H, Tq, Dh] at absolute positions offset .. offset+Tq-1 (offset > 0 in streaming decode, after
+that many cached tokens); k, v [B, H_kv, Tk, Dh] at 0 .. Tk-1, where H_kv may divide H (grouped-query
+attention: query head h reads key/value head h // (H / H_kv), as in Llama; a head count that does not
+divide is a ValueError). `mask` is a value of kernels.attention.masks (causal(), document(doc_ids),
+window(w), prefix(n), their & and |, or an architecture's own predicate); the same value serves
+training, prefill and decode. A caller whose cache keeps only the last keys (a sliding window) passes
+the offset into that trimmed cache: causal and window masks depend only on relative positions.
+`alibi_slopes` [H] adds ALiBi's -slope_h * |i - j| to the scores.
 
-`window` (None = unlimited) is a sliding window: the query at position t sees keys at positions s
-with t - window < s <= t, so it counts the keys a query sees, itself included. It combines with the
-causal and the document masks.
-
-Each call runs one path: "sdpa" (torch's scaled_dot_product_attention, every device today) or
-"reference" (the naive definition in reference.py). Fast kernels (Triton, FlexAttention) plug in
-here, are picked when the device supports them, and are tested against the reference.
-
-The path is forced with the environment variable PRETRAIN_ATTENTION=<name> (read once, at import) or
-with use_path(name) (tests). paths_used() names every path that has run since reset_paths_used(), so
-a trainer or generator can report which one served it.
+Paths (kernels/registry.py): "sdpa" (torch's scaled_dot_product_attention, every device; picked
+automatically) and "reference" (the naive definition in reference.py; only when forced). Fast
+kernels (Triton, FlexAttention) register here with a capability check and are tested against the
+reference. Force one with PRETRAIN_KERNELS=attention=<path> (or the older PRETRAIN_ATTENTION=<path>),
+or use_path(name) in code; paths_used() names the paths that ran since reset_paths_used().
 """
 from __future__ import annotations
 
-import os
-
 from torch import Tensor
 
-from kernels.attention import reference, sdpa
+from kernels import registry
+from kernels.attention import masks, reference, sdpa
+from kernels.attention.masks import Mask, causal, decoder_mask, document, full, prefix, window
 from kernels.attention.reference import document_causal_mask
 
-PATHS = ("sdpa", "reference")
+OP = registry.op("attention", legacy_env="PRETRAIN_ATTENTION")
+OP.register("sdpa", sdpa.attention, priority=10)
+OP.register("reference", reference.attention, auto=False)
+PATHS = tuple(OP.paths)
 
 
-def _checked(name: str | None, source: str) -> str | None:
-    if name is not None and name not in PATHS:
-        raise ValueError(f"{source}={name!r} is not an attention path; choose one of {', '.join(PATHS)}")
-    return name
-
-
-_forced: str | None = _checked(os.environ.get("PRETRAIN_ATTENTION") or None, "PRETRAIN_ATTENTION")
-_used: set[str] = set()
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+              dropout_p: float = 0.0, alibi_slopes: Tensor | None = None) -> Tensor:
+    """softmax(q k^T * scale [+ ALiBi], masked by `mask`) v -> [B, H, Tq, Dh]; scale defaults to
+    1/sqrt(Dh); dropout_p drops attention probabilities (pass 0 outside training)."""
+    return OP(q, k, v, mask, offset, scale, dropout_p, alibi_slopes)
 
 
 def use_path(name: str | None) -> None:
-    """Force every later call onto path `name`; None returns to picking by device."""
-    global _forced
-    _forced = _checked(name, "use_path")
+    """Force every later call onto path `name`; None returns to picking by capability."""
+    OP.force(name, "use_path")
 
 
 def paths_used() -> frozenset[str]:
-    """Names of the paths that have run since the last reset_paths_used()."""
-    return frozenset(_used)
+    """Names of the attention paths that have run since the last reset_paths_used()."""
+    return frozenset(registry.paths_used().get("attention", ()))
 
 
 def reset_paths_used() -> None:
-    _used.clear()
+    registry.reset_paths_used()
 
 
-def _pick(q: Tensor) -> str:
-    # Only Python values are read (no tensor data, so no device sync). Under torch.compile these
-    # reads happen at trace time and dynamo guards on them: use_path() after compiling recompiles.
-    if _forced is not None:
-        return _forced
-    return "sdpa"  # SDPA runs on every device; a faster kernel goes first here once one exists
-
-
-def _record(name: str) -> None:
-    # A set.add, cheap enough for every call. Inside a compiled region dynamo keeps this mutation of a
-    # module-level set as a side effect and replays it after each run of the graph (no graph break,
-    # fullgraph=True works), so compiled and eager runs report alike.
-    _used.add(name)
-
-
-def attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None, scale: float | None = None,
-              window: int | None = None, dropout_p: float = 0.0) -> Tensor:
-    """Causal attention [B, H, T, Dh] -> [B, H, T, Dh]; tokens attend within their document when
-    doc_ids [B, T] is given, and to at most `window` keys (themselves included) when window is given;
-    scale defaults to 1/sqrt(Dh); dropout_p drops attention probabilities (pass 0 outside training).
-    k and v may be [B, H_kv, T, Dh] with H_kv dividing H (grouped-query attention)."""
-    name = _pick(q)
-    _record(name)
-    if name == "reference":
-        return reference.attention(q, k, v, doc_ids, scale, window=window, dropout_p=dropout_p)
-    return sdpa.attention(q, k, v, doc_ids, scale, window, dropout_p)
-
-
-def cached_attention(q: Tensor, k: Tensor, v: Tensor, offset: int, scale: float | None = None,
-                     window: int | None = None) -> Tensor:
-    """Streaming decode: queries [B, H, Tq, Dh] at positions offset .. offset+Tq-1 attend causally to
-    keys and values [B, H or H_kv, offset+Tq, Dh] (the cache followed by the new tokens), within the
-    last `window` positions when window is given. A caller may keep only the last window-1 cached keys:
-    then it passes the offset into that trimmed cache (the mask depends only on relative positions)."""
-    name = _pick(q)
-    _record(name)
-    if name == "reference":
-        return reference.attention(q, k, v, None, scale, offset, window)
-    return sdpa.cached_attention(q, k, v, offset, scale, window)
-
-
-__all__ = ["PATHS", "attention", "cached_attention", "document_causal_mask", "paths_used", "reset_paths_used",
-           "use_path"]
+__all__ = ["Mask", "PATHS", "attention", "causal", "decoder_mask", "document", "document_causal_mask", "full",
+           "masks", "paths_used", "prefix", "reset_paths_used", "use_path", "window"]

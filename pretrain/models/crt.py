@@ -21,17 +21,18 @@ a config field: `paper` (§2.1: LayerNorm with bias, GELU FFN of 4C with biases,
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from parallel.layers import ColumnLinear, LayerNorm, RMSNorm, RowLinear, gather_sequence, shift_right
-from pretrain.models import baseline, decoder
+from kernels.attention import decoder_mask
+from parallel.layers import gather_sequence, shift_right
+from pretrain.models import decoder
 from pretrain.models.base import EVAL
-from pretrain.models.decoder import Decoder, GradCache, KVCache
+from pretrain.models.blocks import Attend, Block, BlockOptions, dropout, make_norm, mlp, upgrade_attention_state
+from pretrain.models.decoder import Decoder, DecoderConfig, GradCache, KVCache
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 
 BLOCKS = ("paper", "llama")
@@ -39,7 +40,7 @@ CORRECTIONS = ("add", "blind", "concat", "block_head", "none")
 
 
 @dataclass
-class CRTConfig(baseline.BaselineConfig):
+class CRTConfig(DecoderConfig):
     arch: str = "crt"
     block: str = "paper"  # paper (spec §2.1, GPT-2 style) | llama (the baseline's block, for conversion)
     n_layers: int = 1  # D
@@ -64,6 +65,14 @@ class CRTConfig(baseline.BaselineConfig):
     @property
     def ffn(self) -> int:
         return self.ffn_hidden or (4 if self.block == "paper" else 3) * self.d_model
+
+    def block_options(self, depth: int) -> BlockOptions:
+        """The llama block is the baseline's; the paper block (spec §2.1) is GPT-2's: LayerNorm, a GELU
+        MLP, biases, dropout, both output layers' init scaled by depth."""
+        llama = super().block_options(depth)
+        if self.block == "llama":
+            return llama
+        return replace(llama, norm="layer", mlp="gelu", bias=True, dropout=self.dropout, scale_ffn_out=True)
 
     @property
     def corrected(self) -> bool:
@@ -127,54 +136,16 @@ class CRTConfig(baseline.BaselineConfig):
                              f"{self.bptt_memory_gb:g}; shorten the sequence, the micro batch or the window")
 
 
-class FFN(nn.Module):
-    """in -> hidden -> out: GELU with biases (the paper block) or SwiGLU without (the llama block).
-    The output layer's init std is `out_std` (0 zeroes it: the function-preserving correction)."""
-
-    def __init__(self, kind: str, dim_in: int, hidden: int, dim_out: int, init_std: float, out_std: float):
-        super().__init__()
-        self.kind = kind
-        if kind == "paper":
-            self.fc1 = ColumnLinear(dim_in, hidden, True, init_std=init_std)
-            self.fc2 = RowLinear(hidden, dim_out, True, init_std=out_std)
-        else:  # parameter names as baseline.SwiGLU's, so a converted baseline's weights load by name
-            self.gate = ColumnLinear(dim_in, hidden, init_std=init_std)
-            self.up = ColumnLinear(dim_in, hidden, init_std=init_std)
-            self.down = RowLinear(hidden, dim_out, init_std=out_std)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.kind == "paper":
-            return self.fc2(F.gelu(self.fc1(x)))
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class PaperBlock(nn.Module):
-    """spec §2.1: h += Attn(LN(h)); h += FFN(LN(h)), with biases, dropout after each output."""
-
-    def __init__(self, cfg: CRTConfig, depth: int):
-        super().__init__()
-        self.attn_norm = LayerNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = baseline.Attention(cfg, depth, bias=True, dropout=cfg.dropout)
-        self.ffn_norm = LayerNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = FFN("paper", cfg.d_model, cfg.ffn, cfg.d_model, cfg.init_std, cfg.init_std / math.sqrt(2 * depth))
-        self.drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, h, cos, sin, doc_ids, cache=None, layer=0) -> Tensor:
-        h = h + self.drop(self.attn(self.attn_norm(h), cos, sin, doc_ids, cache, layer))
-        return h + self.drop(self.ffn(self.ffn_norm(h)))
-
-
 class Trunk(nn.Module):
     """The D blocks: one pass. A module of its own so that one pass can be recomputed as a unit."""
 
     def __init__(self, cfg: CRTConfig):
         super().__init__()
-        block = PaperBlock if cfg.block == "paper" else baseline.Block
-        self.blocks = nn.ModuleList(block(cfg, cfg.n_layers) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg.block_options(cfg.n_layers)) for _ in range(cfg.n_layers))
 
-    def forward(self, x, cos, sin, doc_ids=None, cache=None) -> Tensor:
+    def forward(self, x: Tensor, a: Attend) -> Tensor:
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, doc_ids, cache, i)
+            x = block(x, a.at(i))
         return x
 
 
@@ -186,12 +157,12 @@ class Correction(nn.Module):
     def __init__(self, cfg: CRTConfig):
         super().__init__()
         self.variant = cfg.correction
-        C, out_std = cfg.d_model, 0.0 if cfg.corr_out_init == "zero" else cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        o = cfg.block_options(cfg.n_layers)  # the block family's norm and MLP, its output init at depth D
         if self.variant != "block_head":
-            width = 2 * C if self.variant == "concat" else C
-            self.norm = (LayerNorm if cfg.block == "paper" else RMSNorm)(width, cfg.norm_eps)
-            self.ffn = FFN(cfg.block, width, cfg.ffn, C, cfg.init_std, out_std)
-            self.drop = nn.Dropout(cfg.dropout)
+            width = 2 * cfg.d_model if self.variant == "concat" else cfg.d_model
+            self.norm = make_norm(o.norm, width, o.norm_eps)
+            self.ffn = mlp(o, d_in=width, out_std=0.0 if cfg.corr_out_init == "zero" else o.out_std)
+            self.drop = dropout(o.dropout)
 
     def forward(self, z_prev: Tensor, x_prev: Tensor | None, e: Tensor) -> Tensor:
         if self.variant == "block_head":
@@ -215,13 +186,10 @@ class CRT(Decoder):
         self.trunk = Trunk(cfg)
         self.correction = Correction(cfg) if cfg.corrected else None
         if cfg.pre_ffn:  # roformer-hFFN: e <- e + FFN(LN(e)), once, before the stack
+            o = cfg.block_options(cfg.n_layers)
             self.pre_norm = self.make_norm(cfg.d_model)
-            self.pre = FFN(cfg.block, cfg.d_model, cfg.ffn, cfg.d_model, cfg.init_std,
-                           cfg.init_std / math.sqrt(2 * cfg.n_layers))
-            self.pre_drop = nn.Dropout(cfg.dropout)
-
-    def make_norm(self, dim: int) -> nn.Module:
-        return LayerNorm(dim, self.cfg.norm_eps) if self.cfg.block == "paper" else RMSNorm(dim, self.cfg.norm_eps)
+            self.pre = mlp(o, out_std=o.out_std)
+            self.pre_drop = dropout(o.dropout)
 
     def applications(self) -> list[nn.Module]:
         return list(self.trunk.blocks)  # one pass per token at decode: one cache slot per layer
@@ -244,14 +212,14 @@ class CRT(Decoder):
     def passes(self, tokens, positions, doc_ids, K: int, corrections: int = 0) -> tuple[Tensor, list[Tensor]]:
         """Block output z^(K) [B, T, C] after K passes, and the last `corrections` corrections
         c^(K-corrections+1) .. c^(K) (c^(K) is computed only when asked: the loss does not use it)."""
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        a = self.attend(positions, self.mask(doc_ids))
         reset = doc_ids[:, 1:] != doc_ids[:, :-1] if doc_ids is not None else None
         if reset is not None:  # z_{-1} = 0 at each document's start, as at the sample's
             reset = F.pad(reset, (1, 0), value=True)
         e = self.embed_tokens(tokens)
         x, kept = e, []
         for k in range(1, K + 1):
-            z = self.trunk(x, cos, sin, doc_ids)
+            z = self.trunk(x, a)
             if self.correction is not None and (k < K or corrections):
                 x_prev = shift_right(x, reset) if self.correction.variant == "block_head" else None
                 c = self.correction(shift_right(z, reset), x_prev, e)
@@ -264,22 +232,24 @@ class CRT(Decoder):
         return z, kept
 
     def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
+        z, diagnostics = self.block_outputs(batch, ctx)
+        return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), diagnostics
+
+    def block_outputs(self, batch, ctx) -> tuple[Tensor, dict]:
+        """The last pass's block outputs [B, T, C] and the diagnostics: by the recurrence (BPTT
+        training, exact evaluation) or by K parallel passes (K logged in training, L̂ in evaluation)."""
         doc_ids = batch.doc_ids if self.cfg.document_mask else None
-        T = batch.tokens.shape[1]
         if ctx.training and self.cfg.train_mode == "bptt":
-            z = self.recurrence(batch.tokens, batch.positions)
-            return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), {}
-        K = num_passes(self.cfg, ctx, T)
+            return self.recurrence(batch.tokens, batch.positions), {}
+        K = num_passes(self.cfg, ctx, batch.tokens.shape[1])
         if self.exact_by_recurrence(doc_ids):
-            z = self.recurrence(batch.tokens, batch.positions)
-            return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), {}
+            return self.recurrence(batch.tokens, batch.positions), {}
         if ctx.training or K < 2 or self.correction is None:
             z, _ = self.passes(batch.tokens, batch.positions, doc_ids, K)
             trained_k = ctx.training and self.correction is not None
-            diagnostics = {"k": torch.tensor(float(K), device=z.device)} if trained_k else {}
-            return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), diagnostics
+            return z, ({"k": torch.tensor(float(K), device=z.device)} if trained_k else {})
         z, c = self.passes(batch.tokens, batch.positions, doc_ids, K, corrections=3)
-        return self.head.loss(self.norm(z), batch.labels, batch.loss_mask), contraction(c, K, batch.doc_ids)
+        return z, contraction(c, K, batch.doc_ids)
 
     def logits(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -300,7 +270,8 @@ class CRT(Decoder):
         """Block outputs [B, T, C] computed token by token, differentiably (BPTT: exact gradients of
         the streaming model, spec §2.4); everything that does not depend on the state is hoisted."""
         B, T = tokens.shape
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        cos, sin = self.rope.at(positions)
+        mask = decoder_mask(None, self.cfg.window or None)
         e = self.embed_tokens(tokens)
         cache = GradCache(self.cfg.n_layers, self.cfg.window)
         z_prev = x_prev = e.new_zeros(B, 1, e.shape[-1])
@@ -308,7 +279,7 @@ class CRT(Decoder):
         for t in range(T):
             e_t = e[:, t:t + 1]
             x_prev = e_t + self.correction(z_prev, x_prev, e_t) if self.correction is not None else e_t
-            z_prev = self.trunk(x_prev, cos[:, :, t:t + 1], sin[:, :, t:t + 1], None, cache)
+            z_prev = self.trunk(x_prev, Attend(mask, (cos[:, :, t:t + 1], sin[:, :, t:t + 1]), cache))
             outputs.append(z_prev)
         return torch.cat(outputs, dim=1)
 
@@ -333,7 +304,7 @@ class CRT(Decoder):
         pass k makes outputs exact up to position k-1: S passes suffice (one for a single token)."""
         S = tokens.shape[1]
         positions = torch.arange(state.length, state.length + S, device=tokens.device).expand_as(tokens)
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+        a = self.attend(positions, self.mask(), state)
         e = self.embed_tokens(tokens)
         z, x = e.new_zeros(e.shape), e.new_zeros(e.shape)  # pass 0's outputs: unknown, so zero
         for _ in range(S if self.correction is not None else 1):
@@ -345,7 +316,7 @@ class CRT(Decoder):
                 x = e + self.correction(z_prev, x_prev, e)
             else:
                 x = e
-            z = self.trunk(x, cos, sin, None, state)  # (re)writes this chunk's keys and values
+            z = self.trunk(x, a)  # (re)writes this chunk's keys and values
         state.length += S
         state.z_prev, state.x_prev = z[:, -1:], x[:, -1:]
         return self.head.logits(self.norm(z))
@@ -503,7 +474,7 @@ SPEC = register(ArchSpec(
     tp_dims=tp_dims,
     convert=convert,
     convert_fields=lambda source_arch, source_cfg: {"block": "llama"} if source_arch == "baseline" else {},
-    upgrade_state=baseline.upgrade_state,  # its attention is the baseline's (trunk.blocks.*.attn.qkv before GQA)
+    upgrade_state=upgrade_attention_state,  # the shared attention's (trunk.blocks.*.attn.qkv before GQA)
     # pass: keep only each pass's input and recompute the pass (memory ~K B T C plus one pass);
     # block: keep each block's input in each pass (K D B T C plus one block)
     recompute_units={"pass": _pass_units, "block": _block_units},

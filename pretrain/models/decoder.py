@@ -1,37 +1,85 @@
-"""The decoder skeleton every architecture here shares: embed -> trunk -> final norm -> head.
+"""The decoder skeleton every architecture here shares: embed -> trunk -> final norm -> head, and the
+config fields such a model reads (`DecoderConfig`).
 
-A subclass builds its blocks and says, through `applications()`, which block each step of the trunk
-applies, in order: a plain stack lists each block once; a looped or recurrent model lists its shared
-block several times. The skeleton then provides the training forward (the model contract of
-pretrain/models/base.py), full-sequence logits, and a streaming decode whose cache holds one slot per
-block application. A subclass knows its effective depth (the number of block applications) before
-it builds its blocks, and passes it to their initialisation.
+A subclass builds its blocks (pretrain/models/blocks.py) and says, through `applications()`, which
+block each step of the trunk applies, in order: a plain stack lists each block once; a looped or
+recurrent model lists its shared block several times. The skeleton then provides the training forward
+(the model contract of pretrain/models/base.py), full-sequence logits, and a streaming decode whose
+cache holds one slot per block application. A subclass knows its effective depth (the number of block
+applications) before it builds its blocks, and passes it to their options (`cfg.block_options(depth)`).
 
-Pieces more than one architecture uses live here too: the RoPE tables and the KV cache (RMSNorm is a
-parallel.layers facade: it marks itself for sequence parallelism).
+The attention mask is a value (kernels.attention.masks): `mask(doc_ids)` gives the causal decoder's
+(documents, sliding window); an architecture with a mask of its own overrides it. The KV cache and the
+differentiable GradCache live here.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from parallel.layers import LMHead, RMSNorm, VocabEmbedding
-from pretrain.models.base import EVAL
+from kernels.attention import Mask, decoder_mask
+from parallel.layers import LMHead, VocabEmbedding
+from pretrain.models.base import EVAL, ModelConfig
+from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
+
+__all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "rope_tables"]
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin [max_len, head_dim / 2] for rotating the pairs (x[2i], x[2i+1]) (Llama's layout)."""
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), freqs)
-    return angles.cos().float(), angles.sin().float()
+@dataclass
+class DecoderConfig(ModelConfig):
+    """The fields of a decoder-shaped model (the Transformer++ baseline's, which every decoder here
+    shares); `block_options(depth)` turns them into the shared blocks' options, and an architecture
+    whose blocks differ (another norm, MLP, biases, positions) overrides it."""
 
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    n_kv_heads: int = 0  # key/value heads, dividing n_heads (grouped-query attention); 0 means n_heads
+    ffn_hidden: int = 0  # 0 means 3 * d_model, as in the SPS paper
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    document_mask: bool = False  # attend only within a document of the packed sample
+    window: int = 0  # sliding attention window in keys, the query's own included (0 = unlimited)
+    init_std: float = 0.02
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, H, T, Dh]; cos, sin [B, 1, T, Dh/2] already gathered at the tokens' positions."""
-    pairs = (x if x.dtype == torch.float64 else x.float()).unflatten(-1, (-1, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 3 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def block_options(self, depth: int) -> BlockOptions:
+        """The shared blocks' options for a model applying `depth` blocks per token (Llama's block:
+        RMSNorm, SwiGLU, no biases, RoPE, only the attention output's init scaled by depth)."""
+        return BlockOptions(d_model=self.d_model, n_heads=self.n_heads, kv_heads=self.kv_heads, ffn=self.ffn,
+                            norm_eps=self.norm_eps, init_std=self.init_std, depth=depth)
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.ffn_hidden < 0:
+            raise ValueError(f"model.ffn_hidden must be positive (or 0 for 3 * d_model), got {self.ffn_hidden}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model {self.d_model} is not divisible by model.n_heads {self.n_heads}")
+        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
+            raise ValueError(f"model.n_kv_heads {self.n_kv_heads} must divide model.n_heads {self.n_heads} "
+                             "(or be 0 for n_heads)")
+        if self.window < 0:
+            raise ValueError(f"model.window must be >= 0 (0 = unlimited attention), got {self.window}")
+        if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
+            raise ValueError("model.norm_eps, model.rope_theta and model.init_std must be positive")
+        self.block_options(1).validate()
 
 
 class KVCache:
@@ -78,40 +126,45 @@ class GradCache:
 
 
 class Decoder(nn.Module):
-    """embed -> applications() -> norm -> head, with RoPE tables; see the module docstring.
+    """embed -> applications() -> norm -> head, with the RoPE tables; see the module docstring.
+    The config is a DecoderConfig (or derives from it)."""
 
-    The config needs vocab_size, d_model, n_heads, kv_heads, head_dim, max_seq_len, rope_theta,
-    norm_eps, tie_embeddings, document_mask and init_std (pretrain/models/baseline.py's BaselineConfig
-    has them).
-    """
-
-    def __init__(self, cfg):
+    def __init__(self, cfg: DecoderConfig):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
+        options = cfg.block_options(1)
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std)
         self.norm = self.make_norm(cfg.d_model)
         self.head = LMHead(cfg.d_model, cfg.vocab_size, tied=self.embed if cfg.tie_embeddings else None,
                            init_std=cfg.init_std)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope = Rope(options.head_dim, cfg.max_seq_len, cfg.rope_theta) if options.positions == "rope" else None
 
     def make_norm(self, dim: int) -> nn.Module:
-        """The norm of the block family (RMSNorm here; GPT-2-style blocks use parallel.layers.LayerNorm)."""
-        return RMSNorm(dim, self.cfg.norm_eps)
+        """A norm of the block family (its options' `norm`: RMSNorm or LayerNorm)."""
+        return make_norm(self.cfg.block_options(1).norm, dim, self.cfg.norm_eps)
+
+    def mask(self, doc_ids: Tensor | None = None) -> Mask:
+        """The attention mask of a training forward: causal, within documents when doc_ids is given,
+        within model.window keys. Decode uses the same value with the cache's offset."""
+        return decoder_mask(doc_ids, self.cfg.window or None)
+
+    def attend(self, positions: Tensor, mask: Mask, cache=None) -> Attend:
+        """The value every block attends with: the mask, the RoPE tables at `positions`, the cache."""
+        return Attend(mask, self.rope.at(positions) if self.rope is not None else None, cache)
 
     def applications(self) -> list[nn.Module]:
         """The blocks the trunk applies, in order (a shared block appears once per application)."""
         raise NotImplementedError
 
     def hidden(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None = None,
-               cache: KVCache | None = None) -> Tensor:
-        """Final-normed hidden states [B, T, d] of tokens [B, T] at positions [B, T]."""
-        cos, sin = self.rope_cos[positions][:, None], self.rope_sin[positions][:, None]
+               cache: KVCache | None = None, mask: Mask | None = None) -> Tensor:
+        """Final-normed hidden states [B, T, d] of tokens [B, T] at positions [B, T], under `mask`
+        (default: self.mask(doc_ids))."""
+        a = self.attend(positions, self.mask(doc_ids) if mask is None else mask, cache)
         h = self.embed(tokens)
         for slot, block in enumerate(self.applications()):
-            h = block(h, cos, sin, doc_ids, cache, slot)
+            h = block(h, a.at(slot))
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.norm(h)
