@@ -4,11 +4,13 @@ A subclass builds its blocks and says, through `applications()`, which block eac
 applies, in order: a plain stack lists each block once; a looped or recurrent model lists its shared
 block several times. The skeleton then provides the training forward (the model contract of
 pretrain/models/base.py), full-sequence logits, and a streaming decode whose cache holds one slot per
-block application. A subclass knows its effective depth (the number of block applications) before
-it builds its blocks, and passes it to their initialisation.
+block application (a registry entry that names no new_state/step/logits gets these methods). A
+subclass knows its effective depth (the number of block applications) before it builds its blocks,
+and passes it to their initialisation.
 
-Pieces more than one architecture uses live here too: the RoPE tables and the KV cache (RMSNorm is a
-parallel.layers facade: it marks itself for sequence parallelism).
+Pieces more than one architecture uses live here too: the RoPE tables, the KV cache and the
+dimensions tensor parallelism splits (`tp_dims`; RMSNorm is a parallel.layers facade: it marks itself
+for sequence parallelism).
 """
 from __future__ import annotations
 
@@ -141,14 +143,8 @@ class Decoder(nn.Module):
         return self.head.logits(self.hidden(tokens, positions, None, state)), state
 
 
-# Registry functions of any Decoder (ArchSpec.new_state / step / logits)
-def new_state(model: Decoder, batch_size: int) -> KVCache:
-    return model.new_state(batch_size)
-
-
-def step(model: Decoder, tokens: Tensor, state: KVCache) -> tuple[Tensor, KVCache]:
-    return model.step(tokens, state)
-
-
-def logits(model: Decoder, tokens: Tensor) -> Tensor:
-    return model.logits(tokens)
+def tp_dims(cfg) -> dict[str, int]:
+    """The dimensions tensor parallelism splits in a decoder-shaped config (its registry `tp_dims`):
+    query and key/value heads, the FFN width and the vocabulary."""
+    return {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.kv_heads, "model.ffn_hidden": cfg.ffn,
+            "model.vocab_size": cfg.vocab_size}
