@@ -80,7 +80,8 @@ SPEC = registry.ArchSpec(
     flops_formula="6 (d^2 + 2 V d)",
     # segments: the model checkpoints its own time loop (the recommended one, so also `full`);
     # cell: the cell wrapped from outside, recomputed at every step
-    recompute_units={"segments": Recompute(configure=partial(set_segment, SEGMENT)), "cell": lambda model: [model.cell]})
+    recompute_units={"segments": Recompute(configure=partial(set_segment, SEGMENT)),
+                     "cell": lambda model: [model.cell]})
 
 
 @pytest.fixture
