@@ -82,13 +82,12 @@ def bench_train(a) -> None:
 def memory_child(a) -> None:
     """One policy in this process: weights, grads and Adam moments first (a small step), then the
     measured steps; prints JSON with the activation peak and the median step time."""
-    from parallel.recompute import apply_recompute
     from pretrain.models import get_arch
 
     torch.manual_seed(0)
     model = CRT(config(a.d_model, a.layers, a.k, a.vocab, a.seq, dropout=0.0)).train()
     if a.policy != "none":
-        apply_recompute(get_arch("crt").recompute_policies()[a.policy](model))
+        get_arch("crt").recompute_policies()[a.policy].apply(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     small = batch_of(1, 8, a.vocab)
     ctx = StepContext(step=0, seed=0, training=True)

@@ -1,13 +1,14 @@
 """Parallelism as one transform: how a single-device model becomes a model trained over many ranks.
 
-    engine = parallelize(build, settings, make_optimizer, recompute_units=..., compile=...)
+    engine = parallelize(build, settings, make_optimizer, recompute=..., compile=...)
 
 applies, in this order (torchtitan's; each step needs the one before it):
 1. the layout: megatron-core's parallel state for TP x DP (parallel/mesh.py); `build()` then runs
    under it, so the parallel.layers facades build TP/SP-split layers where the model asks for
    linears, embeddings and norms;
-2. activation recompute of the architecture's recompute units (parallel/recompute.py), when
-   `parallel.recompute` asks for it;
+2. activation recompute, when `parallel.recompute` asks for it: the architecture's policy
+   (parallel/recompute.py's Recompute) either wraps modules in checkpointing or configures the model
+   to recompute by itself (segments of a time loop, a custom backward);
 3. compile: `torch.compile` of the model's forward, in place (parameter names and the module stay
    the same for checkpoints and the engines);
 4. the data-parallel engine `parallel.data_parallel` names, around the model and the optimizer
@@ -23,20 +24,21 @@ import torch
 
 from parallel.engine import Engine, EngineSettings, engine_class
 from parallel.mesh import setup_layout
-from parallel.recompute import apply_recompute
+from parallel.recompute import Recompute, as_policy
 
 
 def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
-                recompute_units: Callable[[torch.nn.Module], list] | None = None,
+                recompute: Recompute | Callable[[torch.nn.Module], list] | None = None,
                 compile: bool = False) -> Engine:
     """The engine around the model `build()` makes, with the steps of the module docstring applied;
-    `recompute_units` (model -> modules) is the activation-checkpointing policy chosen, or None."""
+    `recompute` is the activation-recompute policy chosen (a Recompute, or a bare function model ->
+    modules to wrap), or None."""
     parallel = settings.parallel
     setup_layout(parallel)  # 1
     model = build()
-    if recompute_units is not None:  # 2
-        apply_recompute(recompute_units(model))
+    if recompute is not None:  # 2
+        as_policy(recompute).apply(model)
     if compile:  # 3
         model.compile()
     return engine_class(parallel.data_parallel)(model, make_optimizer(model), settings)  # 4

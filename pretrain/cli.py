@@ -217,8 +217,9 @@ def _info(args) -> int:
         if cfg.model.paper_params:
             print(f"the paper gives {cfg.model.paper_params:,} for this configuration")
         policies = spec.recompute_policies()
-        if policies:
-            print(f"activation recompute (parallel.recompute): none, {', '.join(policies)}")
+        if policies:  # a policy that configures the model's own recomputation says so
+            named = [n + (" (the model's own)" if p.kind == "configure" else "") for n, p in policies.items()]
+            print(f"activation recompute (parallel.recompute): none, {', '.join(named)}")
         print(f"FLOPs per token = {spec.flops_formula}")
     return 0
 

@@ -246,7 +246,7 @@ class RunConfig:
         self.parallel.validate()
         policies = spec.recompute_policies()
         if self.parallel.recompute != "none" and self.parallel.recompute not in policies:
-            offered = f"offers {', '.join(policies)}" if policies else "names no recompute units in its registry entry"
+            offered = f"offers {', '.join(policies)}" if policies else "names no recompute policy in its registry entry"
             raise ConfigError(f"parallel.recompute={self.parallel.recompute}: model.arch {spec.name!r} {offered}")
         for name, size in spec.tp_dims(self.model).items() if spec.tp_dims else ():
             if size % self.parallel.tp:

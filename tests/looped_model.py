@@ -48,7 +48,7 @@ def flops_per_token(cfg: LoopedConfig, seq_len: int, ctx=None) -> float:
 
 ENTRY = dict(config_cls=LoopedConfig, build=Looped, flops_per_token=flops_per_token,
              flops_formula=baseline.FLOPS_FORMULA.replace("L block applications", "L = loops applications"),
-             new_state=decoder.new_state, step=decoder.step, logits=decoder.logits, tp_dims=baseline.tp_dims)
+             tp_dims=decoder.tp_dims)
 SPEC = register(ArchSpec(name="test_looped", recompute_units=lambda model: [model.block], progress=("draw",),
                          **ENTRY))
 

@@ -270,15 +270,13 @@ def test_contraction_diagnostic_at_evaluation():
 
 @pytest.mark.parametrize("policy", ["pass", "block"])
 def test_recompute_policies_give_the_same_gradients(policy):
-    from parallel.recompute import apply_recompute
-
     tokens = tokens_of(T=10)
 
     def grads(recompute):
         model = model_of(dropout=0.1, k_max=3, k_min=0)
         model.train()
         if recompute:
-            apply_recompute(get_arch("crt").recompute_policies()[policy](model))
+            get_arch("crt").recompute_policies()[policy].apply(model)
         torch.manual_seed(5)  # the same dropout masks; recomputation replays them
         z, _ = model.passes(tokens, torch.arange(10).expand_as(tokens), None, 3)
         model.head.logits(model.norm(z)).square().mean().backward()

@@ -15,7 +15,7 @@ import looped_model  # noqa: F401  (registers test_looped: an architecture witho
 from distributed import run_ranks
 from parallel.layers import RMSNorm
 from pretrain.config import ConfigError, load_config
-from pretrain.models import baseline, blocks
+from pretrain.models import baseline, blocks, decoder
 from pretrain.models.base import EVAL
 from pretrain.models.registry import ArchSpec, register
 from pretrain.trainer import Trainer
@@ -70,9 +70,8 @@ def convert(source_arch, source_cfg, source_state, target_cfg):
 
 
 CORRECTED = register(ArchSpec(name="test_corrected", config_cls=CorrectedConfig, build=Corrected,
-                              flops_per_token=baseline.flops_per_token, new_state=baseline.decoder.new_state,
-                              step=baseline.decoder.step, logits=baseline.decoder.logits,
-                              tp_dims=baseline.tp_dims, convert=convert))
+                              flops_per_token=baseline.flops_per_token, tp_dims=decoder.tp_dims,
+                              convert=convert))
 
 
 # -- runs -------------------------------------------------------------------------------------------

@@ -53,9 +53,6 @@ FLOPS_FORMULA = ("6 * (L * (2 d^2 + 2 d d_kv + 3 d f) + V d) + 12 * L * d * T: f
                  "width d_kv = n_kv_heads * head_dim, d without GQA, FFN width f, vocabulary V)")
 
 
-def tp_dims(cfg: BaselineConfig) -> dict[str, int]:
-    return {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.kv_heads, "model.ffn_hidden": cfg.ffn,
-            "model.vocab_size": cfg.vocab_size}
 
 
 SPEC = register(ArchSpec(
@@ -64,10 +61,7 @@ SPEC = register(ArchSpec(
     build=TransformerPP,
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
-    new_state=decoder.new_state,
-    step=decoder.step,
-    logits=decoder.logits,
-    tp_dims=tp_dims,
+    tp_dims=decoder.tp_dims,
     recompute_units=lambda model: list(model.blocks),
     hf=LLAMA,  # transformers' LlamaForCausalLM (pretrain export --format hf, pretrain import)
     upgrade_state=upgrade_attention_state,

@@ -440,11 +440,6 @@ def convert(source_arch: str, source_cfg, source_state: dict[str, Tensor], targe
     return state
 
 
-def tp_dims(cfg: CRTConfig) -> dict[str, int]:
-    return {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.kv_heads, "model.ffn_hidden": cfg.ffn,
-            "model.vocab_size": cfg.vocab_size}
-
-
 def _pass_units(model: CRT) -> list[nn.Module]:
     return [model.trunk] + ([model.correction] if model.correction is not None else [])
 
@@ -460,9 +455,6 @@ SPEC = register(ArchSpec(
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
     formula_params=paper_formula_params,
-    new_state=decoder.new_state,
-    step=decoder.step,
-    logits=decoder.logits,
     # eval_k=64: the parallel form with K >= T+1 passes for the registry test's shorter sequences
     decode=DecodeRelation("exact", config={"eval_k": 64}, why=(
         "streaming computes the recurrence's fixed point, which the K-pass parallel forward reaches at every "
@@ -471,7 +463,7 @@ SPEC = register(ArchSpec(
     supports=Support(reasons={"pp": (
         "each of the K passes runs every block and feeds the last stage's output back to the first, so "
         "pipeline stages would idle K - 1 times out of K")}),
-    tp_dims=tp_dims,
+    tp_dims=decoder.tp_dims,
     convert=convert,
     convert_fields=lambda source_arch, source_cfg: {"block": "llama"} if source_arch == "baseline" else {},
     upgrade_state=upgrade_attention_state,  # the shared attention's (trunk.blocks.*.attn.qkv before GQA)

@@ -9,8 +9,9 @@ cache holds one slot per block application. A subclass knows its effective depth
 applications) before it builds its blocks, and passes it to their options (`cfg.block_options(depth)`).
 
 The attention mask is a value (kernels.attention.masks): `mask(doc_ids)` gives the causal decoder's
-(documents, sliding window); an architecture with a mask of its own overrides it. The KV cache and the
-differentiable GradCache live here.
+(documents, sliding window); an architecture with a mask of its own overrides it. The KV cache, the
+differentiable GradCache and the dimensions tensor parallelism splits (`tp_dims`) live here; a
+registry entry that names no new_state/step/logits gets this skeleton's methods.
 """
 from __future__ import annotations
 
@@ -194,14 +195,8 @@ class Decoder(nn.Module):
         return self.head.logits(self.hidden(tokens, positions, None, state)), state
 
 
-# Registry functions of any Decoder (ArchSpec.new_state / step / logits)
-def new_state(model: Decoder, batch_size: int) -> KVCache:
-    return model.new_state(batch_size)
-
-
-def step(model: Decoder, tokens: Tensor, state: KVCache) -> tuple[Tensor, KVCache]:
-    return model.step(tokens, state)
-
-
-def logits(model: Decoder, tokens: Tensor) -> Tensor:
-    return model.logits(tokens)
+def tp_dims(cfg) -> dict[str, int]:
+    """The dimensions tensor parallelism splits in a decoder-shaped config (its registry `tp_dims`):
+    query and key/value heads, the FFN width and the vocabulary."""
+    return {"model.n_heads": cfg.n_heads, "model.n_kv_heads": cfg.kv_heads, "model.ffn_hidden": cfg.ffn,
+            "model.vocab_size": cfg.vocab_size}

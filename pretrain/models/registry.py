@@ -13,6 +13,8 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from parallel.recompute import Recompute, as_policy
+
 
 @dataclass(frozen=True)
 class Support:
@@ -69,9 +71,13 @@ class ArchSpec:
     # whose work depends on a per-step draw, like CRT's K, computes that step's); ctx None: the
     # expected value over the draws (what `pretrain info` prints).
     flops_per_token: Callable[..., float]
-    new_state: Callable[[Any, int], Any]  # (model, batch size) -> empty streaming cache
-    step: Callable[[Any, Any, Any], tuple[Any, Any]]  # (model, tokens [B, n], state) -> (logits, state)
-    logits: Callable[[Any, Any], Any]  # (model, tokens [B, T]) -> full-sequence logits [B, T, V], float32
+    # Streaming decode and full-sequence logits. None (a decoder-shaped model, pretrain/models/decoder.py):
+    # the model's own methods, model.new_state(batch size), model.step(tokens, state), model.logits(tokens);
+    # __post_init__ fills them in, so callers always call spec.new_state(model, B) and so on. A model of
+    # another shape passes its own functions.
+    new_state: Callable[[Any, int], Any] | None = None  # (model, batch size) -> empty streaming cache
+    step: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None  # (model, tokens [B, n], state) -> (logits, state)
+    logits: Callable[[Any, Any], Any] | None = None  # (model, tokens [B, T]) -> full-sequence logits [B, T, V], float32
     flops_formula: str = ""  # flops_per_token in words and symbols, printed by `pretrain info`
     # The parameter count by the paper's own formula where it counts differently from the model (CRT's
     # §3.1 counts matmul weights and the head, not biases and norms); `pretrain info` shows both.
@@ -79,16 +85,21 @@ class ArchSpec:
     decode: DecodeRelation = DecodeRelation()
     progress: tuple[str, ...] = ()  # diagnostics shown on the progress line (all go to metrics.jsonl)
     supports: Support = Support()
-    # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; each must divide by parallel.tp
+    # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; RunConfig.validate refuses a
+    # parallel.tp that does not divide each (a decoder-shaped config: pretrain/models/decoder.py's tp_dims)
     tp_dims: Callable[[Any], dict[str, int]] | None = None
+    # Placeholders nothing reads yet: an activation-memory estimate and a pipeline split, for the issues
+    # that need them (ParallelConfig refuses parallel.pp > 1 for every architecture meanwhile).
     activation_bytes: Callable[[Any, int, int, str], int] | None = None
-    # Optional until the issue that needs them lands; validate() refuses a feature whose field is None.
     pipeline_split: Callable[[Any, int], list] | None = None
-    # Activation checkpointing policies: {policy name: model -> the modules to recompute}, the first
-    # being the recommended one (`parallel.recompute=full`); a bare function is the one policy "full".
-    # A model that applies a block several times per step can offer several (CRT: each block in each
-    # pass, or a whole pass keeping only its input).
-    recompute_units: Callable[[Any], list] | dict[str, Callable[[Any], list]] | None = None
+    # Activation recompute policies (parallel/recompute.py): {policy name: policy}, the first being the
+    # recommended one (`parallel.recompute=full`); a single policy is the one policy "full". A policy is
+    # a Recompute: Recompute(wrap=fn), fn: model -> the modules to checkpoint, or Recompute(configure=fn),
+    # fn: model -> None, which sets what the model's forward reads to recompute by itself (segments of a
+    # time loop, a custom backward); a bare function means Recompute(wrap=fn). A model that applies a
+    # block several times per step can offer several (CRT: each block in each pass, or a whole pass
+    # keeping only its input).
+    recompute_units: Recompute | Callable[[Any], list] | dict[str, Recompute | Callable[[Any], list]] | None = None
     # Export (pretrain/export): the generic native folder works for any model whose state dict is
     # its weights; an architecture that cannot be exported says why here (the round-trip test and
     # `pretrain export` quote it). `hf`: an adapter to and from a Hugging Face transformers layout
@@ -112,14 +123,36 @@ class ArchSpec:
     # from the shared fields, these, then the user's overrides. None: only the shared fields.
     convert_fields: Callable[[str, Any], dict] | None = None
 
-    def recompute_policies(self) -> dict[str, Callable[[Any], list]]:
-        """Every policy by name, "full" included (the first named one, or the bare function)."""
+    def __post_init__(self):
+        for name, default in (("new_state", _model_new_state), ("step", _model_step), ("logits", _model_logits)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
         units = self.recompute_units
         if units is None:
-            return {}
-        if callable(units):
-            return {"full": units}
-        return {"full": next(iter(units.values())), **units}
+            policies = {}
+        elif isinstance(units, dict):
+            policies = {name: as_policy(p) for name, p in units.items()}
+            policies = {"full": next(iter(policies.values())), **policies} if policies else {}
+        else:
+            policies = {"full": as_policy(units)}
+        object.__setattr__(self, "_policies", policies)
+
+    def recompute_policies(self) -> dict[str, Recompute]:
+        """Every policy by name as a Recompute, "full" included (the first named one, or the single one)."""
+        return dict(self._policies)
+
+
+# The decode functions of a spec that names none: the model's own methods (ArchSpec.__post_init__).
+def _model_new_state(model, batch_size: int):
+    return model.new_state(batch_size)
+
+
+def _model_step(model, tokens, state):
+    return model.step(tokens, state)
+
+
+def _model_logits(model, tokens):
+    return model.logits(tokens)
 
 
 def count_parameters(model) -> dict[str, int]:
