@@ -298,8 +298,12 @@ def _generate(args) -> int:
         prompt = [tok.special_ids().get("bos") or tok.eod_id]
     given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     sampling = {**SAMPLING, **sampling_defaults(args.path), **{k: v for k, v in given.items() if v is not None}}
+    from kernels import describe_paths_used, reset_paths_used
+
+    reset_paths_used()
     outs = generate(model, spec, [prompt] * args.num_samples, args.max_tokens, sampling["temperature"],
                     int(sampling["top_k"]), sampling["top_p"], args.seed, eos_id=tok.eod_id)
+    print(f"kernels: {describe_paths_used()}", file=sys.stderr)  # which path served each op (stdout: the text)
     for k, ids in enumerate(outs):
         if args.num_samples > 1:
             print(f"--- sample {k}")

@@ -7,8 +7,10 @@ from a trained tiny run, a golden loss curve, and SIGKILL-then-resume bit for bi
 architecture runs from its `configs/<arch>/tiny.yaml`; the test architectures of looped_model.py
 reuse the baseline's. The layout matrix is tests/test_layout_matrix.py.
 
-Golden curves live in tests/golden_losses.json; a new architecture records its own with
-`PRETRAIN_RECORD_GOLDEN=1 pytest tests/test_registry.py -k golden` (and says why in its commit).
+Golden curves live one file per architecture, tests/golden/<arch>.json, so recording one touches no
+other architecture's record; a new architecture records its own with
+`PRETRAIN_RECORD_GOLDEN=1 pytest tests/test_registry.py -k "golden and <arch>"` (and says why in its
+commit). Recording never overwrites: re-recording means deleting the file, deliberately.
 """
 import json
 import os
@@ -21,6 +23,7 @@ import pytest
 import torch
 
 import looped_model  # noqa: F401  (registers the test architectures)
+import prefix_lm_model  # noqa: F401  (a test architecture with a mask of its own)
 from pretrain.cli import main
 from pretrain.config import load_config, shipped_configs
 from pretrain.metrics import read_metrics
@@ -29,7 +32,7 @@ from pretrain.trainer import Trainer
 from trainer_helpers import VOCAB, write_markov_corpus, write_word_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GOLDEN_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden_losses.json")
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 ALL = [s.name for s in all_archs()]
 SHIPPED = [a for a in ALL if not a.startswith("test_")]  # runnable from the command line
 
@@ -137,14 +140,15 @@ def test_golden_loss_curve(arch, tmp_path, corpus):
     finally:
         torch.set_num_threads(threads)
     got = [losses(tmp_path / "run")[s] for s in range(1, 13)]
-    golden = json.load(open(GOLDEN_FILE)) if os.path.exists(GOLDEN_FILE) else {}
-    if os.environ.get("PRETRAIN_RECORD_GOLDEN") == "1" and arch not in golden:
-        golden[arch] = got
-        with open(GOLDEN_FILE, "w") as f:
-            json.dump(golden, f, indent=1, sort_keys=True)
-    assert arch in golden, f"no golden curve for {arch}: record it with PRETRAIN_RECORD_GOLDEN=1"
+    path = os.path.join(GOLDEN_DIR, f"{arch}.json")
+    if os.environ.get("PRETRAIN_RECORD_GOLDEN") == "1" and not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(json.dumps(got, indent=1) + "\n")
+    assert os.path.exists(path), f"no golden curve for {arch} ({path}): record it with PRETRAIN_RECORD_GOLDEN=1"
+    with open(path) as f:
+        golden = json.load(f)
     # Exact on the recording machine; another CPU may pick other SIMD kernels, hence 1e-6 relative.
-    assert got == pytest.approx(golden[arch], rel=1e-6)
+    assert got == pytest.approx(golden, rel=1e-6)
     assert got[-1] < got[0]
 
 

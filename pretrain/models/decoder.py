@@ -182,8 +182,8 @@ class Decoder(nn.Module):
         return self.head.logits(self.hidden(tokens, positions))
 
     def new_state(self, batch_size: int) -> KVCache:
-        p, cfg = self.embed.weight, self.cfg
-        return KVCache(len(self.applications()), batch_size, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim,
+        p, o = self.embed.weight, self.cfg.block_options(1)
+        return KVCache(len(self.applications()), batch_size, o.kv_heads, self.cfg.max_seq_len, o.head_dim,
                        p.device, p.dtype)
 
     def step(self, tokens: Tensor, state: KVCache) -> tuple[Tensor, KVCache]:
