@@ -140,7 +140,8 @@ def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
                 active[0] = False
         return run
 
-    trainer._train_step, trainer.engine.zero_grad = starts(trainer._train_step), ends(trainer.engine.zero_grad)
+    trainer._forward_backward = starts(trainer._forward_backward)
+    trainer.engine.zero_grad = ends(trainer.engine.zero_grad)
     trainer.fit()
     params = count_parameters(trainer.model)["total"]
     print(json.dumps({"times": times, "params": params,

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from parallel.engine import Engine, EngineSettings, engine_class
+from parallel.engine import Engine, EngineSettings
 from parallel.mesh import setup_layout
 from parallel.recompute import Recompute, as_policy
 
@@ -42,3 +42,17 @@ def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
     if compile:  # 3
         model.compile()
     return engine_class(parallel.data_parallel)(model, make_optimizer(model), settings)  # 4
+
+
+def engine_class(data_parallel: str) -> type[Engine]:
+    """The engine parallel.data_parallel names (its module imported only when chosen). Here, not in
+    parallel/engine.py, which its subclasses import."""
+    if data_parallel == "megatron":
+        from parallel.megatron_ddp import MegatronEngine
+
+        return MegatronEngine
+    if data_parallel == "deepspeed":
+        from parallel.zero import DeepSpeedEngine
+
+        return DeepSpeedEngine
+    return Engine

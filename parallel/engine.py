@@ -222,16 +222,3 @@ class Engine:
 
     def set_state(self, model_sd, optim_state, groups):
         self.state.set_state(model_sd, optim_state, groups)
-
-
-def engine_class(data_parallel: str) -> type[Engine]:
-    """The engine parallel.data_parallel names (its module imported only when chosen)."""
-    if data_parallel == "megatron":
-        from parallel.megatron_ddp import MegatronEngine
-
-        return MegatronEngine
-    if data_parallel == "deepspeed":
-        from parallel.zero import DeepSpeedEngine
-
-        return DeepSpeedEngine
-    return Engine

@@ -72,6 +72,28 @@ class WeightsOnly:
         self.inner.set_state(model_sd, {}, None)  # groups None: the optimizer is not touched
 
 
+class SavedModel:
+    """A checkpoint view without a model: pretrain.checkpoint's load_checkpoint/load_latest put the
+    saved model tensors, full and keyed by the single-device model's names, into `state` (for a
+    conversion into another architecture, which has no model of the source's to load into); it sets
+    `template` from the checkpoint's own metadata first."""
+
+    has_optimizer = False
+
+    def __init__(self):
+        self.template: dict = {}
+        self.state: dict = {}
+
+    def get_state(self) -> tuple[dict, None]:
+        return self.state, None
+
+    def model_template(self) -> dict:
+        return self.template
+
+    def set_state(self, model_sd: dict, optim_state=None, groups=None) -> None:
+        self.state = model_sd
+
+
 def as_state(model, optimizer=None):
     """`model` itself when it is already a checkpoint view (an engine's), else LocalState."""
     if hasattr(model, "get_state") and hasattr(model, "model_template"):

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from data_tools.errors import first_line
 from data_tools.files import atomic_write, file_checksum, fsync_path  # noqa: F401 (file_checksum: re-exported)
 from data_tools.files import write_file as _write_file  # a module name, so that a test can make it fail
-from parallel.state import LocalState, as_state  # noqa: F401  (the checkpoint view, shared with the engines)
+from parallel.state import LocalState, SavedModel, as_state  # noqa: F401  (checkpoint views, shared with the engines)
 
 SCHEMA_VERSION = 1
 META_FILE, OPTIM_FILE, LATEST_FILE, DCP_METADATA = "meta.json", "optim.json", "latest", ".metadata"
@@ -167,19 +167,16 @@ def _read_dcp_metadata(path: str) -> Metadata:
     return md
 
 
-def _problem(path: str) -> str | None:
-    """None if `path` is a complete checkpoint, else why not (truncation is seen, bit flips are not)."""
+def checkpoint_problem(path: str) -> str | None:
+    """None if `path` is a complete checkpoint, else why not, phrased to follow its name ("is
+    incomplete (no meta.json)"). Cheap: truncation is seen, bit flips are not (checksums are not read).
+    The one test of completeness: every listing, fallback and retention decision asks it."""
     try:
         _read_meta(path)
         _read_dcp_metadata(path)
     except _Unusable as e:
         return str(e)
     return None
-
-
-def incomplete(path: str) -> str | None:
-    """Why checkpoint directory `path` is incomplete or truncated (cheap: checksums are not read), or None."""
-    return _problem(path)
 
 
 def checkpoint_to_read(path: str) -> tuple[str, bool]:
@@ -192,7 +189,7 @@ def checkpoint_to_read(path: str) -> tuple[str, bool]:
     named_like_one = os.path.isfile(os.path.join(path, DCP_METADATA)) or _STEP_DIR.fullmatch(
         os.path.basename(os.path.normpath(path)))
     if os.path.isfile(os.path.join(path, META_FILE)) or named_like_one:
-        if (why := _problem(path)) is not None:
+        if (why := checkpoint_problem(path)) is not None:
             raise CheckpointError(f"checkpoint {path} {why}")
         return path, False
     ckpt = latest_checkpoint(path, log=lambda _: None)
@@ -208,36 +205,51 @@ def _step_dirs(root: str) -> list[tuple[int, str]]:
     return sorted(s for s in found if os.path.isdir(os.path.join(root, s[1])))
 
 
+def _complete_checkpoints(root: str, newest_first: bool = False, older_than: int | None = None):
+    """(step, name) of the complete checkpoints in `root` (before step `older_than`), judged lazily."""
+    dirs = [(s, n) for s, n in _step_dirs(root) if older_than is None or s < older_than]
+    for step, name in reversed(dirs) if newest_first else dirs:
+        if checkpoint_problem(os.path.join(root, name)) is None:
+            yield step, name
+
+
 def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     """(step, path) of the complete checkpoints of `run_dir`, ascending by step."""
     root = os.path.join(run_dir, "checkpoints")
-    return [(s, os.path.join(root, n)) for s, n in _step_dirs(root) if _problem(os.path.join(root, n)) is None]
+    return [(s, os.path.join(root, n)) for s, n in _complete_checkpoints(root)]
 
 
-def latest_checkpoint(run_dir: str, log=print) -> str | None:
-    """The checkpoint `latest` names or, if that is unusable, the newest complete one (said in one line)."""
-    root, name = os.path.join(run_dir, "checkpoints"), None
+def _named_by_latest(root: str) -> tuple[str | None, str | None]:
+    """(the checkpoint name `latest` holds, or None; None if that checkpoint is usable, else why not)."""
+    name = None
     try:
         with open(os.path.join(root, LATEST_FILE)) as f:
             text = f.read(256).strip()
         if not _STEP_DIR.fullmatch(text):
-            reason = f"checkpoints/{LATEST_FILE} holds no checkpoint name ({text[:40]!r})"
-        elif not os.path.isdir(os.path.join(root, name := text)):
-            reason = f"checkpoint {name} named by checkpoints/{LATEST_FILE} is missing"
-        elif (why := _problem(os.path.join(root, name))) is not None:
-            reason = f"checkpoint {name} {why}"
-        else:
-            return os.path.join(root, name)
+            return None, f"checkpoints/{LATEST_FILE} holds no checkpoint name ({text[:40]!r})"
+        name = text
+        if not os.path.isdir(os.path.join(root, name)):
+            return name, f"checkpoint {name} named by checkpoints/{LATEST_FILE} is missing"
+        if (why := checkpoint_problem(os.path.join(root, name))) is not None:
+            return name, f"checkpoint {name} {why}"
+        return name, None
     except FileNotFoundError:
-        reason = f"checkpoints/{LATEST_FILE} is missing"
+        return name, f"checkpoints/{LATEST_FILE} is missing"
     except (OSError, UnicodeDecodeError) as e:
-        reason = f"checkpoints/{LATEST_FILE} is unreadable ({_first_line(e)})"
-    candidates = [n for _, n in reversed(_step_dirs(root)) if n != name]
-    fallback = next((n for n in candidates if _problem(os.path.join(root, n)) is None), None)
+        return name, f"checkpoints/{LATEST_FILE} is unreadable ({_first_line(e)})"
+
+
+def latest_checkpoint(run_dir: str, log=print) -> str | None:
+    """The checkpoint `latest` names or, if that is unusable, the newest complete one (said in one line)."""
+    root = os.path.join(run_dir, "checkpoints")
+    name, reason = _named_by_latest(root)
+    if reason is None:
+        return os.path.join(root, name)
+    fallback = next((n for _, n in _complete_checkpoints(root, newest_first=True) if n != name), None)
     if fallback is not None:
         log(f"{reason}; falling back to {fallback}")
         return os.path.join(root, fallback)
-    if name is not None or candidates:  # a fresh run (no checkpoint, no `latest`) is not worth a line
+    if name is not None or any(n != name for _, n in _step_dirs(root)):  # a fresh run is not worth a line
         log(f"{reason}; no complete checkpoint to fall back to")
     return None
 
@@ -298,74 +310,22 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
     processes that are gone left behind. `optimizer` may be None (a weights-only checkpoint).
     `checksums=False` records none (saves reading the files back; loads then cannot verify).
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    if keep_last < 1 or keep_every < 0:
-        raise ValueError(f"keep_last must be >= 1 and keep_every >= 0, got {keep_last} and {keep_every}")
+    meta = _meta_to_save(meta, step, keep_last, keep_every)  # refused before anything is written
+    state, groups_text = _state_to_save(as_state(model, optimizer))
     multi = _multi()
     leader = not multi or dist.get_rank() == 0
-    for key, value in (("step", step), ("schema_version", SCHEMA_VERSION), ("checksums", None)):
-        if key in meta and meta[key] != value:
-            raise ValueError(f"meta[{key!r}] is {meta[key]!r} but the checkpoint's {key} is {value!r}")
-    meta = {**meta, "schema_version": SCHEMA_VERSION, "step": step}
-    _to_json(meta, "meta")  # refused before anything is written
-    target = as_state(model, optimizer)
-    state: dict = {"rng": _rng_state(target)}
-    state["model"], optim_sd = target.get_state()
-    for key, value in state["model"].items():  # DCP would pickle it, and loading refuses pickles
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"model state {key} is a {type(value).__name__}, not a tensor: checkpoints hold "
-                             "tensors only (register it as a buffer, or derive it from the config)")
-    if optim_sd is not None:
-        if optim_sd["state"]:
-            state["optim"] = {"state": optim_sd["state"]}
-        groups = [{k: _encode(v) for k, v in g.items()} for g in optim_sd["param_groups"]]
-        groups_text = _to_json({"param_groups": groups}, "the optimizer's param_groups")
-
-    # Under data parallelism every rank writes its part of one DCP checkpoint into the temp
-    # directory rank 0 names (replicated tensors are written once); rank 0 alone publishes it.
-    pid = os.getpid()
-    if multi:
-        box = [pid]
-        dist.broadcast_object_list(box, src=0)
-        pid = box[0]
+    pid = _leader_pid(multi)
     root, name = os.path.join(run_dir, "checkpoints"), f"step_{step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{pid}")
-    if leader:
-        if not os.path.isdir(root):
-            os.makedirs(root)
-            fsync_path(os.path.dirname(root) or ".")  # the new directory's entry in run_dir
-        shutil.rmtree(tmp, ignore_errors=True)
-    if multi:
-        dist.barrier()
+    _prepare_temp(root, tmp, leader, multi)
     try:
-        with _dcp_call() as kw:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), **kw)
-        if multi:
-            dist.barrier()
-        if leader and optim_sd is not None:
-            _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
-        sums = _checksums_at_save(tmp, multi, leader) if checksums else None
+        sums = _write_files(tmp, state, groups_text, multi, leader, checksums)
         if not leader:
             dist.barrier()  # returns once rank 0 has published the checkpoint
             return final
         if sums is not None:
             meta["checksums"] = {"algorithm": CHECKSUM, "files": sums}
-        _write_file(os.path.join(tmp, META_FILE), _to_json(meta, "meta"))  # last: its presence marks completeness
-        for dirpath, _, files in os.walk(tmp):
-            for f in files:
-                fsync_path(os.path.join(dirpath, f))
-            fsync_path(dirpath)
-        if os.path.lexists(final):  # a re-save of this step after a resume: swap, then delete the old
-            aside = os.path.join(root, f".{name}.old-{pid}")
-            shutil.rmtree(aside, ignore_errors=True)
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            fsync_path(root)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-            fsync_path(root)
+        _publish(tmp, final, meta, pid)
     finally:
         if leader:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -374,6 +334,90 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
     if multi:
         dist.barrier()
     return final
+
+
+def _meta_to_save(meta: dict, step: int, keep_last: int, keep_every: int) -> dict:
+    """The caller's meta with schema_version and step, after checking the arguments and that it is JSON."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    if keep_last < 1 or keep_every < 0:
+        raise ValueError(f"keep_last must be >= 1 and keep_every >= 0, got {keep_last} and {keep_every}")
+    for key, value in (("step", step), ("schema_version", SCHEMA_VERSION), ("checksums", None)):
+        if key in meta and meta[key] != value:
+            raise ValueError(f"meta[{key!r}] is {meta[key]!r} but the checkpoint's {key} is {value!r}")
+    meta = {**meta, "schema_version": SCHEMA_VERSION, "step": step}
+    _to_json(meta, "meta")
+    return meta
+
+
+def _state_to_save(target) -> tuple[dict, str | None]:
+    """(the tensors DCP writes, the optimizer's param_groups as JSON or None); collective under ranks."""
+    state: dict = {"rng": _rng_state(target)}
+    state["model"], optim_sd = target.get_state()
+    for key, value in state["model"].items():  # DCP would pickle it, and loading refuses pickles
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model state {key} is a {type(value).__name__}, not a tensor: checkpoints hold "
+                             "tensors only (register it as a buffer, or derive it from the config)")
+    if optim_sd is None:
+        return state, None
+    if optim_sd["state"]:
+        state["optim"] = {"state": optim_sd["state"]}
+    groups = [{k: _encode(v) for k, v in g.items()} for g in optim_sd["param_groups"]]
+    return state, _to_json({"param_groups": groups}, "the optimizer's param_groups")
+
+
+def _leader_pid(multi: bool) -> int:
+    """Rank 0's pid, which names the temp directory every rank writes into."""
+    pid = os.getpid()
+    if multi:
+        box = [pid]
+        dist.broadcast_object_list(box, src=0)
+        pid = box[0]
+    return pid
+
+
+def _prepare_temp(root: str, tmp: str, leader: bool, multi: bool) -> None:
+    """`root` exists (its entry fsynced when new) and `tmp` is empty, before any rank writes."""
+    if leader:
+        if not os.path.isdir(root):
+            os.makedirs(root)
+            fsync_path(os.path.dirname(root) or ".")  # the new directory's entry in run_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+    if multi:
+        dist.barrier()
+
+
+def _write_files(tmp: str, state: dict, groups_text: str | None, multi: bool, leader: bool,
+                 checksums: bool) -> dict[str, str] | None:
+    """Every rank's DCP files, then the leader's optim.json, into `tmp`; the leader's checksums or None."""
+    with _dcp_call() as kw:  # replicated tensors are written once
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), **kw)
+    if multi:
+        dist.barrier()
+    if leader and groups_text is not None:
+        _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
+    return _checksums_at_save(tmp, multi, leader) if checksums else None
+
+
+def _publish(tmp: str, final: str, meta: dict, pid: int) -> None:
+    """The leader's last steps: meta.json (last: its presence marks completeness), everything fsynced,
+    `tmp` renamed to `final` (an earlier save of the same step swapped out, then deleted)."""
+    _write_file(os.path.join(tmp, META_FILE), _to_json(meta, "meta"))
+    for dirpath, _, files in os.walk(tmp):
+        for f in files:
+            fsync_path(os.path.join(dirpath, f))
+        fsync_path(dirpath)
+    root, name = os.path.split(final)
+    if os.path.lexists(final):  # a re-save of this step after a resume: swap, then delete the old
+        aside = os.path.join(root, f".{name}.old-{pid}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        fsync_path(root)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+        fsync_path(root)
 
 
 def pid_alive(pid: int) -> bool:
@@ -388,7 +432,7 @@ def pid_alive(pid: int) -> bool:
 
 def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> None:
     steps = _step_dirs(root)
-    complete = [s for s, n in steps if _problem(os.path.join(root, n)) is None]
+    complete = [s for s, _ in _complete_checkpoints(root)]
     keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0)}
     doomed = [n for s, n in steps if s not in keep]
     trash = [os.path.join(root, f".{n}.old-{os.getpid()}") for n in doomed]
@@ -430,45 +474,12 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     Gradients are dropped when the optimizer is loaded (they belong to the old weights).
     `model` may be a SavedModel, which receives the saved model tensors as they are.
     """
-    meta = read_meta(path)
-    try:
-        md = _read_dcp_metadata(path)
-    except _Unusable as e:
-        raise CheckpointError(f"checkpoint {path} {e}") from None
+    meta, saved = _open(path)
     if verify:
-        if "checksums" not in meta:
-            log(f"checkpoint {path} carries no checksums (saved before they were recorded, or with "
-                "checkpoint.verify=false): loaded unverified")
-        elif (why := _verify(path, meta)) is not None:
-            raise CorruptCheckpoint(f"checkpoint {path} {why}")
-    model_cfg = meta["config"].get("model") if isinstance(meta.get("config"), dict) else None
-    arch = model_cfg.get("arch") if isinstance(model_cfg, dict) else None
-    if expect_arch is not None and arch != expect_arch:
-        raise CheckpointError(f"checkpoint {path} holds model.arch {arch!r}, the config asks for {expect_arch!r}")
-    saved = md.state_dict_metadata
+        _verify_or_say(path, meta, log)
+    _check_arch(path, meta, expect_arch)
     target = as_state(model, optimizer)
-    if isinstance(target, SavedModel):  # no model to shape the tensors: take them as they were saved
-        target.template = {k.removeprefix("model."): torch.empty(e.size, dtype=e.properties.dtype)
-                           for k, e in saved.items() if k.startswith("model.") and isinstance(e, TensorStorageMetadata)}
-    state = {"model": target.model_template()}
-    _check(path, saved, state)  # before the optimizer's lazy state gets created below
-    has_optim = any(k.startswith("optim.") for k in saved)
-    groups = None
-    if target.has_optimizer:
-        try:
-            with open(os.path.join(path, OPTIM_FILE)) as f:
-                groups = [{k: _decode(k, v) for k, v in g.items()} for g in json.load(f)["param_groups"]]
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved without one)") from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"checkpoint {path} has an unreadable {OPTIM_FILE} ({_first_line(e)})") from None
-        if has_optim:  # (none if saved before the first step.)
-            state["optim"] = {"state": target.optim_template()}
-    if restore_rng:
-        if "rng.torch_cpu" not in saved:
-            raise CheckpointError(f"checkpoint {path} holds no RNG state")
-        state["rng"] = {k: v for k, v in _rng_state(target).items() if f"rng.{k}" in saved}  # CUDA only if saved
-    _check(path, saved, state)
+    state, groups = _state_to_load(path, saved, target, restore_rng)
     try:
         with _dcp_call() as kw:
             dcp.load(state, checkpoint_id=path, **kw)
@@ -480,25 +491,59 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     return meta
 
 
-class SavedModel:
-    """A checkpoint view without a model: load_checkpoint/load_latest put the saved model tensors, full
-    and keyed by the single-device model's names, into `state` (for a conversion into another
-    architecture, which has no model of the source's to load into)."""
+def _open(path: str) -> tuple[dict, dict]:
+    """(meta.json, DCP's entries by key) of checkpoint `path`; CheckpointError if it is unusable."""
+    meta = read_meta(path)
+    try:
+        return meta, _read_dcp_metadata(path).state_dict_metadata
+    except _Unusable as e:
+        raise CheckpointError(f"checkpoint {path} {e}") from None
 
-    has_optimizer = False
 
-    def __init__(self):
-        self.template: dict = {}
-        self.state: dict = {}
+def _verify_or_say(path: str, meta: dict, log) -> None:
+    """CorruptCheckpoint unless the files match their checksums; a line when none were recorded."""
+    if "checksums" not in meta:
+        log(f"checkpoint {path} carries no checksums (saved before they were recorded, or with "
+            "checkpoint.verify=false): loaded unverified")
+    elif (why := _verify(path, meta)) is not None:
+        raise CorruptCheckpoint(f"checkpoint {path} {why}")
 
-    def get_state(self) -> tuple[dict, None]:
-        return self.state, None
 
-    def model_template(self) -> dict:
-        return self.template
+def _check_arch(path: str, meta: dict, expect_arch: str | None) -> None:
+    model_cfg = meta["config"].get("model") if isinstance(meta.get("config"), dict) else None
+    arch = model_cfg.get("arch") if isinstance(model_cfg, dict) else None
+    if expect_arch is not None and arch != expect_arch:
+        raise CheckpointError(f"checkpoint {path} holds model.arch {arch!r}, the config asks for {expect_arch!r}")
 
-    def set_state(self, model_sd: dict, optim_state=None, groups=None) -> None:
-        self.state = model_sd
+
+def _state_to_load(path: str, saved: dict, target, restore_rng: bool) -> tuple[dict, list | None]:
+    """(the templates DCP loads into, the param_groups or None), checked against `saved` first."""
+    if isinstance(target, SavedModel):  # no model to shape the tensors: take them as they were saved
+        target.template = {k.removeprefix("model."): torch.empty(e.size, dtype=e.properties.dtype)
+                           for k, e in saved.items() if k.startswith("model.") and isinstance(e, TensorStorageMetadata)}
+    state = {"model": target.model_template()}
+    _check(path, saved, state)  # before the optimizer's lazy state gets created below
+    groups = None
+    if target.has_optimizer:
+        groups = _read_param_groups(path)
+        if any(k.startswith("optim.") for k in saved):  # (none if saved before the first step.)
+            state["optim"] = {"state": target.optim_template()}
+    if restore_rng:
+        if "rng.torch_cpu" not in saved:
+            raise CheckpointError(f"checkpoint {path} holds no RNG state")
+        state["rng"] = {k: v for k, v in _rng_state(target).items() if f"rng.{k}" in saved}  # CUDA only if saved
+    _check(path, saved, state)
+    return state, groups
+
+
+def _read_param_groups(path: str) -> list:
+    try:
+        with open(os.path.join(path, OPTIM_FILE)) as f:
+            return [{k: _decode(k, v) for k, v in g.items()} for g in json.load(f)["param_groups"]]
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved without one)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path} has an unreadable {OPTIM_FILE} ({_first_line(e)})") from None
 
 
 def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, expect_arch: str | None = None,
@@ -516,14 +561,13 @@ def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, e
             return path, load_checkpoint(path, model, optimizer, restore_rng, expect_arch, verify, log)
         except CorruptCheckpoint as e:  # raised before anything was modified
             first_error = first_error or e
-            older = [n for s, n in reversed(_step_dirs(root))
-                     if s < _step_of(path) and _problem(os.path.join(root, n)) is None]
+            older = next(_complete_checkpoints(root, newest_first=True, older_than=_step_of(path)), None)
             why = str(e).removeprefix(f"checkpoint {path} ")
-            if not older:
+            if older is None:
                 raise CorruptCheckpoint(f"{first_error}; no older complete checkpoint to fall back to (set "
                                         "checkpoint.verify=false to load it anyway)") from None
-            log(f"checkpoint {os.path.basename(path)} {why}; falling back to {older[0]}")
-            path = os.path.join(root, older[0])
+            log(f"checkpoint {os.path.basename(path)} {why}; falling back to {older[1]}")
+            path = os.path.join(root, older[1])
 
 
 def _step_of(path: str) -> int:

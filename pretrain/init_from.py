@@ -46,7 +46,7 @@ def resolve(cfg) -> Source:
     """The source checkpoint.init_from names and its stored config; ConfigError (one sentence naming
     it) when it is missing, not a checkpoint, unreadable, or of an unknown architecture."""
     from pretrain.checkpoint import CheckpointError, checkpoint_to_read
-    from pretrain.config import ConfigError
+    from pretrain.run_config import ConfigError
     from pretrain.models import get_arch
     from pretrain.runs import stored_config
 
@@ -84,7 +84,7 @@ def state_for(source: Source, cfg, state: dict, shapes: dict, name: str = "") ->
     """The run's initial state from the source's `state` (converted when the architectures differ),
     checked against the model's `shapes`; ConfigError naming the source (`name`, by default
     "checkpoint.init_from PATH") and the first tensor that does not fit."""
-    from pretrain.config import ConfigError
+    from pretrain.run_config import ConfigError
 
     name = name or f"checkpoint.init_from {source.given!r}"
     if source.convert is not None:

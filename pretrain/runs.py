@@ -85,13 +85,13 @@ def relocate(cfg, run_dir: str, log=print) -> None:
 def stored_config(ckpt: str, log=print):
     """(meta.json, the stored RunConfig with its paths found where the run now is, the run directory)."""
     from pretrain.checkpoint import META_FILE, CheckpointError, read_meta
-    from pretrain.config import config_from_dict
+    from pretrain.run_config import from_dict
 
     meta = read_meta(ckpt)
     stored = meta.get("config")
     if not isinstance(stored, dict) or not isinstance(stored.get("model"), dict):
         raise CheckpointError(f"checkpoint {ckpt} holds no run config in its {META_FILE}")
-    cfg = config_from_dict(stored)
+    cfg = from_dict(stored)
     run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     relocate(cfg, run_dir, log)
     return meta, cfg, run_dir
@@ -108,13 +108,13 @@ def check_inference_overrides(stored: dict, overrides: list[str]) -> None:
     """Refuse, in one sentence naming the field, an override `eval`/`generate` cannot honour."""
     from omegaconf import OmegaConf
 
-    from pretrain.config import ConfigError, _one_line, config_from_dict
     from pretrain.models import weight_shapes
+    from pretrain.run_config import ConfigError, from_dict, one_line
 
     try:
         cli = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
     except Exception as e:
-        raise ConfigError(f"cannot read the overrides: {_one_line(e)}") from None
+        raise ConfigError(f"cannot read the overrides: {one_line(e)}") from None
     allowed = ", ".join(["data.*", "model fields that keep the weights' shapes"]
                         + [f"{s}.{k}" for s, ks in INFERENCE_FIELDS.items() if ks for k in sorted(ks)])
     for section, values in cli.items():
@@ -129,10 +129,10 @@ def check_inference_overrides(stored: dict, overrides: list[str]) -> None:
     model_keys = [k for k in (cli.get("model") or {}) if k != "arch"]
     if not model_keys:
         return
-    before = weight_shapes(config_from_dict(stored).model)
+    before = weight_shapes(from_dict(stored).model)
     for key in model_keys:
         one = OmegaConf.merge(OmegaConf.create(stored), {"model": {key: cli["model"][key]}})
-        after = weight_shapes(config_from_dict(OmegaConf.to_container(one)).model)
+        after = weight_shapes(from_dict(OmegaConf.to_container(one)).model)
         changed = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
         if changed:
             n = changed[0]

@@ -17,6 +17,7 @@ import os
 import shutil
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -118,6 +119,72 @@ def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, d
     return out
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What a metrics record states about the run besides its window."""
+
+    tokens_per_step: int
+    seq_len: int
+    max_steps: int
+    devices: int  # the whole layout's ranks (throughput per device divides by it)
+    peak_tflops: float  # per device; 0: unknown (MFU 0)
+    device: torch.device
+
+
+@dataclass
+class Window:
+    """The steps since the last metrics record: this rank's share of their summed loss and
+    diagnostics (reduced over ranks when the record is made), their FLOPs, where their time went,
+    and the lr and grad norm of the last of them."""
+
+    loss: torch.Tensor
+    t0: float  # perf_counter at the window's start
+    diagnostics: dict = field(default_factory=dict)
+    steps: int = 0
+    flops: float = 0.0
+    data: float = 0.0  # seconds: fetching the micro batches and counting their tokens
+    forward: float = 0.0
+    backward: float = 0.0
+    optimizer: float = 0.0  # seconds: the finiteness check, the step, zero_grad
+    lr: float = 0.0
+    grad_norm: torch.Tensor | None = None
+
+    @classmethod
+    def start(cls, device: torch.device) -> "Window":
+        return cls(loss=torch.zeros((), device=device), t0=time.perf_counter())
+
+    def add_diagnostics(self, diagnostics: dict, dp_size: int) -> None:
+        for name, value in diagnostics.items():
+            self.diagnostics[name] = self.diagnostics.get(name, 0.0) + value / dp_size
+
+    def end_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+        self.lr, self.grad_norm = lr, grad_norm
+
+    def record(self, step: int, consumed: int, run: RunFacts) -> dict:
+        """The metrics.jsonl record of the window ending at `step` (a collective: the sums are reduced)."""
+        names = sorted(self.diagnostics)  # the loss and every diagnostic summed over ranks at once
+        sums = all_reduce_sum(torch.stack([self.loss, *(self.diagnostics[n] for n in names)]), "logged loss")
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        steps = max(self.steps, 1)
+        tokens_per_s = steps * run.tokens_per_step / elapsed
+        tflops = self.flops / elapsed / 1e12
+        parts = {"data": self.data, "forward": self.forward, "backward": self.backward, "optimizer": self.optimizer}
+        busy = max(sum(parts.values()), 1e-9)
+        values = sums.tolist()
+        return {
+            "step": step, "loss": values[0] / steps, "lr": self.lr, "grad_norm": float(self.grad_norm),
+            **{n: v / steps for n, v in zip(names, values[1:])},
+            "tokens_per_s": tokens_per_s, "tflops": tflops,  # the whole job's
+            "tokens_per_s_per_device": tokens_per_s / run.devices, "tflops_per_device": tflops / run.devices,
+            "mfu": tflops / run.devices / run.peak_tflops if run.peak_tflops else 0.0,  # the peak is per device
+            "memory_gb": memory_gb(run.device), "time_split": {k: v / busy for k, v in parts.items()},
+            "eta_s": (run.max_steps - step) * elapsed / steps,
+            "consumed_samples": consumed, "tokens": consumed * run.seq_len,
+        }
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, log=print):
         make_absolute(cfg)  # the stored config must work from any directory (pretrain/runs.py)
@@ -151,6 +218,10 @@ class Trainer:
         self.valid_data, self.valid_samples = valid_dataset(cfg.data)
         self.flops_per_token = self.spec.flops_per_token(cfg.model, cfg.data.seq_len, None)  # expected; per step in the loop
         self.peak_tflops, self.peak_source = device_peak_tflops(self.device, cfg.log.peak_tflops)
+        self.facts = RunFacts(cfg.tokens_per_step, cfg.data.seq_len, t.max_steps, self.layout.world,
+                              self.peak_tflops, self.device)
+        self.metrics = self.wandb = None  # rank 0's outputs while fit() runs
+        self.last_saved, self.kernels_reported = 0, False
 
     # -- setup ---------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -223,7 +294,56 @@ class Trainer:
         return out
 
     # -- the loop --------------------------------------------------------------------------------
-    def _train_step(self, batches, n_micro: int, window: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def fit(self) -> dict:
+        """Train to train.max_steps; return the last metrics record."""
+        t = self.cfg.train
+        self._resume()
+        if self.step >= t.max_steps:
+            self.log(f"{self.run_dir} is already complete at step {self.step} (train.max_steps={t.max_steps}); "
+                     "raise train.max_steps to train further")
+            return {"step": self.step}
+        self._prepare_run_dir()
+        self._describe()
+        self._open_outputs()
+        batches = self._loader()
+        self.last_saved, self.kernels_reported = self.step, False
+        window, record = Window.start(self.device), {}
+        self.model.train()
+        stop = StopOnSignal(t.stop_signals)
+        reset_paths_used()
+        try:
+            stop.install()
+            while self.step < t.max_steps:
+                self._optimizer_step(batches, window)
+                if self._log_due():
+                    record = self._log_window(window)
+                    window = Window.start(self.device)
+                self._checkpoint_or_stop(stop)
+        except KeyboardInterrupt:
+            if self.step > self.last_saved:
+                self.log(f"interrupted: saving step {self.step} before exiting")
+                self.save()
+            raise
+        finally:
+            stop.restore()
+            self._close_outputs()
+        return record
+
+    def _optimizer_step(self, batches, window: Window) -> None:
+        """One step: the scheduled lr, forward/backward, the step itself (or its skip), into `window`."""
+        t = self.cfg.train
+        lr = lr_at(self.step, t.max_steps, self.cfg.optim, self.cfg.schedule)
+        self.engine.set_lr(lr)
+        step_loss, grad_norm = self._forward_backward(batches, window)
+        t0 = time.perf_counter()
+        grad_norm = self._step_if_finite(step_loss, grad_norm, lr)
+        self.engine.zero_grad()
+        window.optimizer += time.perf_counter() - t0
+        self.step += 1
+        self.consumed += t.global_batch_seqs
+        window.end_step(step_loss, lr, grad_norm)
+
+    def _forward_backward(self, batches, window: Window) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step's forward/backward over its micro batches; returns (loss, grad norm).
 
         Each micro batch's mean loss is weighted by its share of the global batch's target tokens
@@ -233,136 +353,88 @@ class Trainer:
         """
         t0 = time.perf_counter()
         ctx = StepContext.for_step(self.cfg.train.seed, self.step)
-        micro = [next(batches).to(self.device, non_blocking=True) for _ in range(n_micro)]
+        micro = [next(batches).to(self.device, non_blocking=True) for _ in range(self.n_micro)]
         tokens = torch.stack([b.loss_mask.sum() for b in micro]).float()
         total = all_reduce_sum(tokens.sum(), "target token count").clamp(min=1.0)
         weights = tokens * (self.dp_size / total)
-        window["data"] += time.perf_counter() - t0
+        window.data += time.perf_counter() - t0
         loss_sum, diagnostics, t_fwd, t_bwd = self.engine.forward_backward(micro, weights, ctx, self._autocast)
-        step_loss = loss_sum / self.dp_size
-        for name, value in diagnostics.items():
-            share = value / self.dp_size
-            window["diagnostics"][name] = window["diagnostics"].get(name, 0.0) + share
-        window["forward"] += t_fwd
-        window["backward"] += t_bwd
-        window["flops"] += self.spec.flops_per_token(self.cfg.model, self.cfg.data.seq_len, ctx) * \
+        window.add_diagnostics(diagnostics, self.dp_size)
+        window.forward += t_fwd
+        window.backward += t_bwd
+        window.flops += self.spec.flops_per_token(self.cfg.model, self.cfg.data.seq_len, ctx) * \
             self.cfg.tokens_per_step
-        return step_loss, self.engine.finish_grads(self.cfg.optim.grad_clip)
+        return loss_sum / self.dp_size, self.engine.finish_grads(self.cfg.optim.grad_clip)
 
-    def fit(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
-        self._resume()
-        if self.step >= t.max_steps:
-            self.log(f"{self.run_dir} is already complete at step {self.step} (train.max_steps={t.max_steps}); "
-                     "raise train.max_steps to train further")
-            return {"step": self.step}
-        self._prepare_run_dir()
-        self._describe()
-        lead = self.rank == 0
-        metrics = MetricsLog(self.run_dir, resume_step=self.step) if lead else None
-        wandb = WandbLogger(self.run_dir, cfg.log.wandb_project, t.name, cfg.to_dict()) if cfg.log.wandb and lead else None
-        batches = self._loader()
-        n_micro = self.n_micro
-        last_saved = self.step
-        window = self._new_window()
-        record: dict = {}
-        self.model.train()
-        stop = StopOnSignal(t.stop_signals)
-        reported_kernels = False
-        reset_paths_used()
-        try:
-            stop.install()
-            while self.step < t.max_steps:
-                lr = lr_at(self.step, t.max_steps, cfg.optim, cfg.schedule)
-                self.engine.set_lr(lr)
-                step_loss, grad_norm = self._train_step(batches, n_micro, window)
-                t3 = time.perf_counter()
-                # The reduced gradients' norm is the same on every rank, so all ranks agree on a skip;
-                # the check is a sync, free on CPU, and NaNs must not reach the weights. Without a norm
-                # before the step, the loss summed over ranks stands in for it.
-                health = grad_norm if grad_norm is not None else all_reduce_sum(step_loss.clone(), "loss check")
-                if not torch.isfinite(health):
-                    if t.nan_policy == "stop":
-                        raise NonFiniteLossError(
-                            f"non-finite loss {step_loss.item()} at step {self.step + 1} (lr {lr:.3e}, grad norm "
-                            f"{health.item():.3e}); the last checkpoint is intact. Lower optim.lr, check "
-                            "the data, or set train.nan_policy=skip")
-                    self.log(f"step {self.step + 1}: non-finite loss, step skipped (train.nan_policy=skip)")
-                    grad_norm = health
-                else:
-                    self.engine.step()
-                    if grad_norm is None:
-                        grad_norm = self.engine.grad_norm_after_step()
-                self.engine.zero_grad()
-                window["optimizer"] += time.perf_counter() - t3
-                self.step += 1
-                self.consumed += t.global_batch_seqs
-                window["loss"] += step_loss
-                window["steps"] += 1
+    def _step_if_finite(self, step_loss: torch.Tensor, grad_norm, lr: float) -> torch.Tensor:
+        """The optimizer step, unless the gradients are not finite (then train.nan_policy: raise, or
+        skip the step); returns the grad norm to log."""
+        # The reduced gradients' norm is the same on every rank, so all ranks agree on a skip; the
+        # check is a sync, free on CPU, and NaNs must not reach the weights. Without a norm before
+        # the step, the loss summed over ranks stands in for it.
+        health = grad_norm if grad_norm is not None else all_reduce_sum(step_loss.clone(), "loss check")
+        if torch.isfinite(health):
+            self.engine.step()
+            return grad_norm if grad_norm is not None else self.engine.grad_norm_after_step()
+        if self.cfg.train.nan_policy == "stop":
+            raise NonFiniteLossError(
+                f"non-finite loss {step_loss.item()} at step {self.step + 1} (lr {lr:.3e}, grad norm "
+                f"{health.item():.3e}); the last checkpoint is intact. Lower optim.lr, check "
+                "the data, or set train.nan_policy=skip")
+        self.log(f"step {self.step + 1}: non-finite loss, step skipped (train.nan_policy=skip)")
+        return health
 
-                last = self.step == t.max_steps
-                do_eval = last or (t.eval_every and self.step % t.eval_every == 0)
-                if do_eval or self.step % t.log_every == 0:
-                    record = self._record(window, lr, grad_norm, cfg.tokens_per_step)
-                    if do_eval:
-                        record.update(self.evaluate())
-                    if lead:
-                        metrics.write(record)
-                        if wandb is not None:
-                            wandb.log(record)
-                    if not reported_kernels:  # after the first logged step, once: which kernel paths ran
-                        reported_kernels = True
-                        self.log("kernels: " + (", ".join(f"{op} {'+'.join(p)}" for op, p in paths_used().items())
-                                                or "none dispatched"))
-                    self.log(progress_line(record, t.max_steps, self.spec.progress) + (
-                        f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else "")
-                        + (f" | {accuracy_line(record)}" if do_eval and cfg.data.task else ""))
-                    window = self._new_window()
-                if last or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                    self.save()
-                    last_saved = self.step
-                if not last and stop.agreed(self.world_size > 1):
-                    if self.step > last_saved:
-                        self.save()
-                    raise StopRequested(self.step, stop.signame, stop.seconds_since_signal(), cfg.checkpoint.grace_s)
-        except KeyboardInterrupt:
-            if self.step > last_saved:
-                self.log(f"interrupted: saving step {self.step} before exiting")
-                self.save()
-            raise
-        finally:
-            stop.restore()
-            if metrics is not None:
-                metrics.close()
-            if wandb is not None:
-                wandb.close()
+    def _eval_due(self) -> bool:
+        t = self.cfg.train
+        return self.step == t.max_steps or bool(t.eval_every and self.step % t.eval_every == 0)
+
+    def _log_due(self) -> bool:
+        return self._eval_due() or self.step % self.cfg.train.log_every == 0
+
+    def _log_window(self, window: Window) -> dict:
+        """The window's metrics record (with a validation pass when one is due), written to
+        metrics.jsonl and W&B on rank 0 and said in a progress line; returns it."""
+        do_eval = self._eval_due()
+        record = window.record(self.step, self.consumed, self.facts)
+        if do_eval:
+            record.update(self.evaluate())
+        if self.metrics is not None:
+            self.metrics.write(record)
+        if self.wandb is not None:
+            self.wandb.log(record)
+        if not self.kernels_reported:  # after the first logged step, once: which kernel paths ran
+            self.kernels_reported = True
+            self.log("kernels: " + (", ".join(f"{op} {'+'.join(p)}" for op, p in paths_used().items())
+                                    or "none dispatched"))
+        self.log(progress_line(record, self.cfg.train.max_steps, self.spec.progress) + (
+            f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else "")
+            + (f" | {accuracy_line(record)}" if do_eval and self.cfg.data.task else ""))
         return record
 
-    def _new_window(self) -> dict:
-        return dict(loss=torch.zeros((), device=self.device), diagnostics={}, steps=0, flops=0.0, data=0.0,
-                    forward=0.0, backward=0.0, optimizer=0.0, t0=time.perf_counter())
+    def _checkpoint_or_stop(self, stop: StopOnSignal) -> None:
+        """A checkpoint at checkpoint.every and at the end; on an agreed stop signal, a checkpoint of
+        the step just made (unless saved already) and StopRequested."""
+        every, last = self.cfg.checkpoint.every, self.step == self.cfg.train.max_steps
+        if last or (every and self.step % every == 0):
+            self.save()
+            self.last_saved = self.step
+        if not last and stop.agreed(self.world_size > 1):
+            if self.step > self.last_saved:
+                self.save()
+            raise StopRequested(self.step, stop.signame, stop.seconds_since_signal(), self.cfg.checkpoint.grace_s)
 
-    def _record(self, w: dict, lr: float, grad_norm, tokens_per_step: int) -> dict:
-        names = sorted(w["diagnostics"])  # the loss and every diagnostic summed over ranks at once
-        sums = all_reduce_sum(torch.stack([w["loss"], *(w["diagnostics"][n] for n in names)]), "logged loss")
-        elapsed = max(time.perf_counter() - w["t0"], 1e-9)
-        steps = max(w["steps"], 1)
-        tokens_per_s = steps * tokens_per_step / elapsed
-        tflops = w["flops"] / elapsed / 1e12
-        devices = self.layout.world
-        parts = {k: w[k] for k in ("data", "forward", "backward", "optimizer")}
-        busy = max(sum(parts.values()), 1e-9)
-        values = sums.tolist()
-        return {
-            "step": self.step, "loss": values[0] / steps, "lr": lr, "grad_norm": float(grad_norm),
-            **{n: v / steps for n, v in zip(names, values[1:])},
-            "tokens_per_s": tokens_per_s, "tflops": tflops,  # the whole job's
-            "tokens_per_s_per_device": tokens_per_s / devices, "tflops_per_device": tflops / devices,
-            "mfu": tflops / devices / self.peak_tflops if self.peak_tflops else 0.0,  # the peak is per device
-            "memory_gb": memory_gb(self.device), "time_split": {k: v / busy for k, v in parts.items()},
-            "eta_s": (self.cfg.train.max_steps - self.step) * elapsed / steps,
-            "consumed_samples": self.consumed, "tokens": self.consumed * self.cfg.data.seq_len,
-        }
+    def _open_outputs(self) -> None:
+        """metrics.jsonl and, with log.wandb, a W&B run: rank 0's."""
+        cfg, lead = self.cfg, self.rank == 0
+        self.metrics = MetricsLog(self.run_dir, resume_step=self.step) if lead else None
+        self.wandb = WandbLogger(self.run_dir, cfg.log.wandb_project, cfg.train.name, cfg.to_dict()) \
+            if cfg.log.wandb and lead else None
+
+    def _close_outputs(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
     def _describe(self) -> None:
         cfg = self.cfg
