@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import paths_used, reset_paths_used
+from kernels import describe_paths_used, reset_paths_used
 from parallel.apply import parallelize
 from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_and_size
 from parallel.dist import detect_env, init_distributed, rank_logger
@@ -404,8 +404,7 @@ class Trainer:
             self.wandb.log(record)
         if not self.kernels_reported:  # after the first logged step, once: which kernel paths ran
             self.kernels_reported = True
-            self.log("kernels: " + (", ".join(f"{op} {'+'.join(p)}" for op, p in paths_used().items())
-                                    or "none dispatched"))
+            self.log(f"kernels: {describe_paths_used()}")
         self.log(progress_line(record, self.cfg.train.max_steps, self.spec.progress) + (
             f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else "")
             + (f" | {accuracy_line(record)}" if do_eval and self.cfg.data.task else ""))
