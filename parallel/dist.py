@@ -158,15 +158,18 @@ def collective(name: str, fn, *args, **kwargs):
 
 
 def rank_logger(run_dir: str | None, env: DistEnv, echo=print):
-    """A log function: every rank appends to run_dir/logs/rank<r>.log; rank 0 also prints."""
+    """A log function: every rank appends to run_dir/logs/rank<r>.log; rank 0 also prints. The file
+    is opened at the first message, so that a trainer refused the run directory's lock (which logs
+    nothing before it) writes nothing there."""
     f = None
-    if run_dir:
-        os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-        f = open(os.path.join(run_dir, "logs", f"rank{env.rank}.log"), "a", buffering=1)
 
     def log(msg: str) -> None:
+        nonlocal f
         if env.rank == 0:
             echo(msg)
+        if run_dir and f is None:
+            os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+            f = open(os.path.join(run_dir, "logs", f"rank{env.rank}.log"), "a", buffering=1)
         if f is not None:
             f.write(msg + "\n")
 

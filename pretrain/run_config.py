@@ -193,6 +193,9 @@ class CheckpointConfig:
     resume: bool = True  # continue from the run directory's latest checkpoint when there is one
     grace_s: float = 60.0  # a stop signal's checkpoint must be written within this (launchers wait longer)
     verify: bool = True  # record checksums at save, verify them at load (false: skip both, for very large runs)
+    # The run directory's lock (pretrain/runlock.py): its holder refreshes it every lock_timeout_s / 4;
+    # a lock whose heartbeat is older than this is taken over.
+    lock_timeout_s: float = 120.0
     # A run directory (its latest verified checkpoint) or a checkpoint directory whose model weights a
     # run without a checkpoint of its own starts from (fresh optimizer, step 0); another model.arch is
     # converted by this one's registry `convert`. "" = none. (pretrain/init_from.py)
@@ -205,6 +208,8 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.every and checkpoint.keep_every must be >= 0")
         if self.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be at least 1, got {self.keep_last}")
+        if not 0 < self.lock_timeout_s < float("inf"):
+            raise ConfigError(f"checkpoint.lock_timeout_s must be a positive number of seconds, got {self.lock_timeout_s}")
 
 
 @dataclass

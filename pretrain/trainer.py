@@ -38,6 +38,7 @@ from pretrain.models import count_parameters, get_arch
 from pretrain.models.base import EVAL, StepContext
 from pretrain.optim import build_optimizer, lr_at
 from pretrain.preemption import StopOnSignal, StopRequested
+from pretrain.runlock import hold_run_dir
 from pretrain.runs import make_absolute
 from pretrain.tasks import accuracy_line
 
@@ -295,7 +296,12 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------
     def fit(self) -> dict:
-        """Train to train.max_steps; return the last metrics record."""
+        """Train to train.max_steps; return the last metrics record. Rank 0 holds the run directory's
+        lock throughout (pretrain/runlock.py): a second trainer is refused before it writes there."""
+        with hold_run_dir(self.run_dir, self.cfg.checkpoint.lock_timeout_s, log=self.log, device=self.device):
+            return self._fit()
+
+    def _fit(self) -> dict:
         t = self.cfg.train
         self._resume()
         if self.step >= t.max_steps:
