@@ -247,6 +247,22 @@ class RunLock:
         self.release()
 
 
+def refuse_if_held(directory: str, action: str, timeout_s: float = 120.0) -> None:
+    """RunLockError when a live trainer holds `directory`'s lock (for a command about to replace it);
+    a lock that a trainer would take over (dead or stale holder) does not stop it."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        holder, mtime = read_holder(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    age = time.time() - mtime
+    probe = RunLock(directory, timeout_s, log=lambda _: None, env={})
+    if holder is None or probe._takeover_reason(holder, age):
+        return
+    raise RunLockError(f"{directory} is in use by a trainer ({holder.describe()}, heartbeat {age:.0f} s ago); "
+                       f"{action} would replace it while it trains: wait for it to finish or choose another folder")
+
+
 @contextmanager
 def hold_run_dir(run_dir: str, timeout_s: float, log=print, device=None, env=None):
     """Rank 0 holds the run directory's lock for the body; with several ranks, every rank learns

@@ -233,3 +233,15 @@ def test_a_bad_lock_timeout_is_one_line_before_any_work(tmp_path, corpus):
     assert out.returncode == 2 and out.stderr.strip() == \
         "pretrain train: error: checkpoint.lock_timeout_s must be a positive number of seconds, got 0.0"
     assert not (tmp_path / "run").exists()
+
+
+def test_export_and_import_force_do_not_replace_a_held_run_directory(tmp_path):
+    from pretrain.export.source import check_output
+
+    run = str(tmp_path / "run")
+    with RunLock(run, 60, env={}):
+        with pytest.raises(RunLockError, match=f"{run} is in use by a trainer \\(process {os.getpid()} on "):
+            check_output(run, force=True)
+    check_output(run, force=True)  # released: replaceable
+    _write_lock(run)  # a dead holder's lock does not stop it either
+    check_output(run, force=True)

@@ -82,6 +82,10 @@ def check_output(out: str, force: bool, source: str | None = None) -> None:
         raise ValueError(f"{out} already exists; pass --force to replace it")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise ValueError(f"{out} exists and is not a directory; it is not replaced")
+    if os.path.isdir(out):  # a run directory a trainer holds (pretrain/runlock.py) is not replaced under it
+        from pretrain.runlock import refuse_if_held
+
+        refuse_if_held(out, "--force")
     parent = os.path.dirname(os.path.abspath(out))
     while not os.path.exists(parent):  # created by atomic_folder; a file in the way is refused now
         parent = os.path.dirname(parent)
