@@ -169,10 +169,10 @@ def _wait_for_steps(metrics, n, proc, timeout=120):
     raise AssertionError(f"the first trainer did not log {n} steps: {proc.poll()}")
 
 
-def _second_trainer_refused(tmp_path, corpus, launcher=None):
+def _second_trainer_refused(tmp_path, corpus, launcher=None, readers=False):
     run = tmp_path / "run"
-    first = subprocess.Popen(_cli(*_over(tmp_path, corpus, 100000), launcher=launcher), env=_env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(_cli(*_over(tmp_path, corpus, 100000, **{"checkpoint.every": 2}), launcher=launcher),
+                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_steps(run / "metrics.jsonl", 2, first)
         before = {p: os.stat(run / p).st_mtime_ns for p in ("config.yaml", LOCK_NAME)}
@@ -180,6 +180,11 @@ def _second_trainer_refused(tmp_path, corpus, launcher=None):
         second = subprocess.run(_cli(*_over(tmp_path, corpus, 100000), launcher=launcher), env=_env(),
                                 capture_output=True, text=True, timeout=300)
         assert {p: os.stat(run / p).st_mtime_ns for p in before} == before and sorted(os.listdir(run)) == listing
+        if readers:  # the read-only verbs work while it trains (on a complete checkpoint)
+            for verb in (["eval", str(run), "--batches", "1", "--json"], ["export", str(run), str(tmp_path / "out")]):
+                out = subprocess.run([sys.executable, "-m", "pretrain.cli", *verb], env=_env(), capture_output=True,
+                                     text=True, timeout=300)
+                assert out.returncode == 0, out.stderr
         assert first.poll() is None, "the first trainer must still run"
         first.send_signal(2 if launcher else 15)  # torchrun forwards SIGINT to its workers
         _, err = first.communicate(timeout=120)
@@ -193,7 +198,7 @@ def _second_trainer_refused(tmp_path, corpus, launcher=None):
 
 
 def test_a_second_trainer_is_refused_naming_the_holder(tmp_path, corpus):
-    rc, err, second = _second_trainer_refused(tmp_path, corpus)
+    rc, err, second = _second_trainer_refused(tmp_path, corpus, readers=True)
     assert rc == EXIT_REQUEUE, err  # the preemption path still works while the lock is held
     assert second.returncode == 2 and second.stdout == ""
     assert second.stderr.startswith(f"pretrain train: error: {tmp_path / 'run'} is in use by another trainer: process ")
