@@ -265,6 +265,10 @@ class RunConfig:
         self.schedule.validate(self.train.max_steps)
         self.train.validate()
         self.checkpoint.validate()
+        if self.checkpoint.lock_timeout_s >= self.parallel.timeout_s:  # a Slurm job may wait that long on rank 0
+            raise ConfigError(f"checkpoint.lock_timeout_s ({self.checkpoint.lock_timeout_s:g} s) must be shorter than "
+                              f"parallel.timeout_s ({self.parallel.timeout_s:g} s): the other ranks wait in a "
+                              "collective while rank 0 waits for a stale run directory lock")
         self.log.validate()
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len {self.data.seq_len} exceeds model.max_seq_len {self.model.max_seq_len}")

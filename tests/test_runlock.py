@@ -137,6 +137,9 @@ def test_a_lock_timeout_must_be_positive():
         with pytest.raises(ConfigError, match=f"checkpoint.lock_timeout_s must be a positive number of seconds, got "
                                               f"{float(bad)}"):
             load_config("baseline/tiny", [f"checkpoint.lock_timeout_s={bad}"], check_data=False)
+    with pytest.raises(ConfigError, match=r"checkpoint.lock_timeout_s \(120 s\) must be shorter than parallel.timeout_s "
+                                          r"\(60 s\)"):
+        load_config("baseline/tiny", ["parallel.timeout_s=60"], check_data=False)
 
 
 # -- through the CLI --------------------------------------------------------------------------------
