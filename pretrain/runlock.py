@@ -218,9 +218,12 @@ class RunLock:
     def heartbeat(self) -> None:
         try:
             os.utime(self.path)  # times=None: the (NFS server's) current time
+            self._warned = False
         except OSError as e:
-            self.log(f"warning: cannot refresh the lock {self.path} ({e.strerror}); another trainer may take "
-                     "the run directory over")
+            if not getattr(self, "_warned", False):  # once, not every beat
+                self._warned = True
+                self.log(f"warning: cannot refresh the lock {self.path} ({e.strerror}); another trainer may take "
+                         "the run directory over")
 
     def release(self) -> None:
         if not self.held:
@@ -276,7 +279,7 @@ def hold_run_dir(run_dir: str, timeout_s: float, log=print, device=None, env=Non
     if rank == 0:
         try:
             lock = RunLock(run_dir, timeout_s, log=log, env=env).acquire()
-        except RunLockError as e:
+        except Exception as e:  # noqa: BLE001 - any failure here must reach the other ranks, not strand them
             error = e
     if distributed:
         from parallel.dist import collective
@@ -286,7 +289,7 @@ def hold_run_dir(run_dir: str, timeout_s: float, log=print, device=None, env=Non
         if flag.item() > 0 and error is None:
             if lock is not None:
                 lock.release()
-            error = RunLockError(f"rank 0 could not take the lock of {run_dir} (its error names the holder)")
+            error = RunLockError(f"rank 0 could not take the lock of {run_dir} (its error says why)")
     if error is not None:
         raise error
     try:
