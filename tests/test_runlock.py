@@ -217,12 +217,15 @@ def test_a_second_torchrun_job_is_refused(tmp_path, corpus):
     assert "rank 0 could not take the lock" in second.stderr  # rank 1 stops too instead of waiting
 
 
-def test_a_dead_trainers_lock_is_taken_over(tmp_path, corpus):
-    pid = _dead_pid()
-    _write_lock(str(tmp_path / "run"), pid=pid)
-    out = subprocess.run(_cli(*_over(tmp_path, corpus, 2)), env=_env(), capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("where", ["dead here", "stale elsewhere"])
+def test_a_dead_trainers_lock_is_taken_over(tmp_path, corpus, where):
+    pid, host = (_dead_pid(), HOST) if where == "dead here" else (1, "other-node")
+    _write_lock(str(tmp_path / "run"), host=host, pid=pid, age=0 if where == "dead here" else 60)
+    out = subprocess.run(_cli(*_over(tmp_path, corpus, 2, **{"checkpoint.lock_timeout_s": 30})), env=_env(),
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert f"taking over the lock of {tmp_path / 'run'} from process {pid} on {HOST}" in out.stdout
+    why = f"process {pid} no longer runs" if where == "dead here" else " s old, over checkpoint.lock_timeout_s=30"
+    assert f"taking over the lock of {tmp_path / 'run'} from process {pid} on {host}" in out.stdout and why in out.stdout
     assert [r["step"] for r in read_metrics(str(tmp_path / "run"))] == [1, 2]
     assert not (tmp_path / "run" / LOCK_NAME).exists()
 
