@@ -555,23 +555,11 @@ def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, e
     path = latest_checkpoint(run_dir, log=log)
     if path is None:
         return None, None
-    root, first_error, vanished = os.path.dirname(path), None, 0
+    root, first_error = os.path.dirname(path), None
     while True:
         try:
             return path, load_checkpoint(path, model, optimizer, restore_rng, expect_arch, verify, log)
-        except CheckpointError as e:
-            if not os.path.isdir(path) and vanished < 10:
-                # A reader (eval, generate, export) while the run trains: retention removed the checkpoint
-                # under it once newer ones were written. Read the newest again (the model is loaded anew).
-                vanished += 1
-                log(f"checkpoint {os.path.basename(path)} was removed while being read (the run is training); "
-                    "reading the newest one")
-                path = latest_checkpoint(run_dir, log=log)
-                if path is None:
-                    raise
-                continue
-            if not isinstance(e, CorruptCheckpoint):
-                raise
+        except CorruptCheckpoint as e:  # raised before anything was modified
             first_error = first_error or e
             older = next(_complete_checkpoints(root, newest_first=True, older_than=_step_of(path)), None)
             why = str(e).removeprefix(f"checkpoint {path} ")

@@ -280,30 +280,3 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
             save_checkpoint(str(tmp_path), step, model, optimizer, META)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000001"]
     assert latest_checkpoint(str(tmp_path), log=pytest.fail) == good
-
-
-def test_a_reader_whose_checkpoint_retention_removes_reads_the_newest(tmp_path, monkeypatch):
-    """`pretrain eval/generate/export RUN` while the run trains: the run writes newer checkpoints and
-    retention removes the one being read; the reader loads the newest instead, with a line."""
-    import pretrain.checkpoint as ckpt
-    from pretrain.checkpoint import load_latest
-
-    run = str(tmp_path)
-    for step in (1, 2):
-        save_checkpoint(run, step, *trained(seed=step), META, keep_last=2)
-    newest, real_load, lines = trained(seed=4), ckpt.dcp.load, []
-
-    def load_while_training(*args, **kwargs):
-        if ckpt.dcp.load is load_while_training:
-            monkeypatch.setattr(ckpt.dcp, "load", real_load)
-            for step in (3, 4):  # the trainer moves on: step_2 is removed under the reader
-                save_checkpoint(run, step, *newest, META, keep_last=2)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(ckpt.dcp, "load", load_while_training)
-    model, optimizer = tiny(seed=9)
-    path, _ = load_latest(run, model, optimizer, restore_rng=False, log=lines.append)
-    assert os.path.basename(path) == "step_00000004"
-    assert lines == ["checkpoint step_00000002 was removed while being read (the run is training); reading the "
-                     "newest one"]
-    assert_same_model(model, newest[0])
