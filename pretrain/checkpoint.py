@@ -433,7 +433,9 @@ def pid_alive(pid: int) -> bool:
 def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> None:
     steps = _step_dirs(root)
     complete = [s for s, _ in _complete_checkpoints(root)]
-    keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0)}
+    named, _ = _named_by_latest(root)  # never the one `latest` names (just_written, but said outright)
+    keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0),
+            *([_step_of(named)] if named else [])}
     doomed = [n for s, n in steps if s not in keep]
     trash = [os.path.join(root, f".{n}.old-{os.getpid()}") for n in doomed]
     for n, aside in zip(doomed, trash):  # aside first: a crash mid-rmtree must not leave a husk
