@@ -121,6 +121,7 @@ def _input_args(p) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from .indexed import IndexedFormatError
+    from .storage import EXIT_STORAGE, StorageError
     from .sources import InputError
 
     try:
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pretrain-data {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except StorageError as e:  # finished partitions of a preprocess are kept: the same command resumes
+        print(f"pretrain-data {args.verb}: error: {e}; run the same command again once the storage is fixed",
+              file=sys.stderr)
+        return EXIT_STORAGE
 
 
 def _corpus(args) -> int:
@@ -163,6 +168,7 @@ def _train_tokenizer(args) -> int:
 
 def _preprocess(args) -> int:
     from .preprocess import PreprocessConfig, preprocess
+    from .storage import storage_operation
 
     cfg = PreprocessConfig(
         inputs=args.input, output_prefix=args.output_prefix, tokenizer=args.tokenizer_model,
@@ -172,7 +178,8 @@ def _preprocess(args) -> int:
         strict=args.strict, progress=args.progress, stats_json=args.stats_json, eos_token=args.eos_token,
     )
     try:
-        preprocess(cfg)
+        with storage_operation(f"preprocessing into {args.output_prefix}", args.output_prefix):
+            preprocess(cfg)
     except KeyboardInterrupt:
         print("interrupted: finished partitions are kept; run the same command again to resume",
               file=sys.stderr)

@@ -45,13 +45,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from data_tools.errors import first_line
 from data_tools.files import atomic_write, file_checksum, fsync_path  # noqa: F401 (file_checksum: re-exported)
 from data_tools.files import write_file as _write_file  # a module name, so that a test can make it fail
+from data_tools.storage import StorageError, check_space, describe, find_os_error, storage_operation
 from parallel.state import LocalState, SavedModel, as_state  # noqa: F401  (checkpoint views, shared with the engines)
+from pretrain.checkpoint_integrity import (CHECKSUM, META_FILE, _multi, _rank_checksums, _remaining_checksums,
+                                           _verify)
+from pretrain.preemption import sigint_deferred
 
 SCHEMA_VERSION = 1
-META_FILE, OPTIM_FILE, LATEST_FILE, DCP_METADATA = "meta.json", "optim.json", "latest", ".metadata"
+OPTIM_FILE, LATEST_FILE, DCP_METADATA = "optim.json", "latest", ".metadata"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"\.(?:step_\d+|latest)\.(?:tmp|old)-(\d+)")  # temp or set-aside names, with pid
-CHECKSUM = "xxh3_128"  # ~10 GB/s: verification costs a read of the files, little more
 
 
 class CheckpointError(RuntimeError):
@@ -83,54 +86,6 @@ def _dcp_call():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield {"no_dist": not (dist.is_available() and dist.is_initialized())}
-
-
-def _multi() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _checksums_at_save(tmp: str, multi: bool, leader: bool) -> dict[str, str] | None:
-    """Checksums of the files in `tmp`, complete on the leader (None elsewhere). With several ranks
-    each hashes the DCP files it wrote itself (named `__<rank>_*`, visible to it whatever the
-    filesystem's caching), and the leader hashes whatever nobody claimed."""
-    sums: dict[str, str] = {}
-    if multi:
-        own = f"__{dist.get_rank()}_"
-        mine = {n: file_checksum(os.path.join(tmp, n)) for n in os.listdir(tmp) if n.startswith(own)}
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
-        for part in parts:
-            sums.update(part)
-    if not leader:
-        return None
-    for n in os.listdir(tmp):
-        if n not in sums and n != META_FILE and os.path.isfile(os.path.join(tmp, n)):
-            sums[n] = file_checksum(os.path.join(tmp, n))
-    return dict(sorted(sums.items()))
-
-
-def _verify(path: str, meta: dict) -> str | None:
-    """None if every file meta.json lists matches its checksum, else the problem (following the
-    checkpoint's name). Collective under several ranks: each checks a share, all learn the result."""
-    record = meta.get("checksums")
-    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-        return None  # checked by the caller: an unverifiable checkpoint is said, not refused
-    if record.get("algorithm") != CHECKSUM:
-        return f"has checksums of an unknown algorithm {str(record.get('algorithm'))[:40]!r}"
-    names = sorted(record["files"])
-    rank, world = (dist.get_rank(), dist.get_world_size()) if _multi() else (0, 1)
-    problems = {}
-    for name in names[rank::world]:
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            problems[name] = f"is incomplete (file {name} is missing)"
-        elif file_checksum(file) != record["files"][name]:
-            problems[name] = f"is corrupt ({name} does not match the checksum recorded when it was saved)"
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, problems)
-        problems = {k: v for part in parts for k, v in part.items()}
-    return problems[min(problems)] if problems else None
 
 
 def _read_meta(path: str) -> dict:
@@ -309,6 +264,11 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
     `keep_every` (when > 0) and always the one just written; it also removes what crashed saves of
     processes that are gone left behind. `optimizer` may be None (a weights-only checkpoint).
     `checksums=False` records none (saves reading the files back; loads then cannot verify).
+
+    A storage fault (disk full, quota, read-only, permissions; checked for space before anything is
+    written) is a StorageError in one sentence on every rank: the partial files are removed and the
+    previous checkpoint stays `latest`. Ctrl-C during the save lands after it (the checkpoint is
+    completed first).
     """
     meta = _meta_to_save(meta, step, keep_last, keep_every)  # refused before anything is written
     state, groups_text = _state_to_save(as_state(model, optimizer))
@@ -317,23 +277,86 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_
     pid = _leader_pid(multi)
     root, name = os.path.join(run_dir, "checkpoints"), f"step_{step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp-{pid}")
-    _prepare_temp(root, tmp, leader, multi)
-    try:
-        sums = _write_files(tmp, state, groups_text, multi, leader, checksums)
-        if not leader:
-            dist.barrier()  # returns once rank 0 has published the checkpoint
-            return final
-        if sums is not None:
-            meta["checksums"] = {"algorithm": CHECKSUM, "files": sums}
-        _publish(tmp, final, meta, pid)
-    finally:
-        if leader:
-            shutil.rmtree(tmp, ignore_errors=True)
-    atomic_write(os.path.join(root, LATEST_FILE), name + "\n")
-    _retain(root, step, keep_last, keep_every)
-    if multi:
-        dist.barrier()
+    operation, needed = f"saving checkpoint step {step}", _state_bytes(state) + len(groups_text or "")
+    with sigint_deferred(), storage_operation(operation, root, needed):
+        _agree(_make_room(root, tmp, operation, needed) if leader else None, multi)
+        try:
+            with _dcp_call() as kw:  # every rank writes its part; replicated tensors are written once
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), **kw)
+            sums = _rank_checksums(tmp, multi) if checksums else None  # collective
+            problem = None
+            if leader:
+                problem = _finish(tmp, final, meta, pid, groups_text, sums, operation,
+                                  lambda: _retain(root, step, keep_last, keep_every))
+            _agree(problem, multi)  # the others learn whether rank 0 published
+        finally:
+            if leader:
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _agree(problem: tuple[int, str] | None, multi: bool) -> None:
+    """Rank 0's storage problem (errno, sentence), raised as a StorageError on every rank."""
+    if multi:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem is not None:
+        raise StorageError(*problem)
+
+
+def _as_problem(e: BaseException, operation: str, path: str, needed: int | None = None):
+    """(errno, sentence) of a storage fault, or None for any other error (which the caller re-raises)."""
+    if isinstance(e, StorageError):
+        return e.errno, str(e)
+    found = find_os_error(e)
+    return None if found is None else (found.errno, describe(operation, path, found.errno, needed))
+
+
+def _make_room(root: str, tmp: str, operation: str, needed: int) -> tuple[int, str] | None:
+    """The leader's first steps: enough free space for the checkpoint, `root` existing (its entry
+    fsynced when new) and `tmp` empty; a storage problem is returned, for every rank to raise."""
+    try:
+        check_space(operation, root, needed)
+        if not os.path.isdir(root):
+            os.makedirs(root)
+            fsync_path(os.path.dirname(root) or ".")  # the new directory's entry in run_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        problem = _as_problem(e, operation, root, needed)
+        if problem is None:
+            raise
+        return problem
+    return None
+
+
+def _finish(tmp: str, final: str, meta: dict, pid: int, groups_text: str | None, sums: dict | None,
+            operation: str, retain) -> tuple[int, str] | None:
+    """The leader's last steps: optim.json, the remaining checksums, meta.json, the rename into place,
+    `latest`, retention; a storage problem is returned (the previous checkpoint stays `latest`)."""
+    try:
+        if groups_text is not None:
+            _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
+        if sums is not None:
+            meta["checksums"] = {"algorithm": CHECKSUM, "files": _remaining_checksums(tmp, sums)}
+        _publish(tmp, final, meta, pid)
+        atomic_write(os.path.join(os.path.dirname(final), LATEST_FILE), os.path.basename(final) + "\n")
+    except OSError as e:
+        problem = _as_problem(e, operation, os.path.dirname(final))
+        if problem is None:
+            raise
+        return problem
+    retain()
+    return None
+
+
+def _state_bytes(tree) -> int:
+    """Bytes of the tensors in a nested dict: what the checkpoint's files will take, about."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_state_bytes(v) for v in tree.values())
+    return 0
 
 
 def _meta_to_save(meta: dict, step: int, keep_last: int, keep_every: int) -> dict:
@@ -376,29 +399,6 @@ def _leader_pid(multi: bool) -> int:
     return pid
 
 
-def _prepare_temp(root: str, tmp: str, leader: bool, multi: bool) -> None:
-    """`root` exists (its entry fsynced when new) and `tmp` is empty, before any rank writes."""
-    if leader:
-        if not os.path.isdir(root):
-            os.makedirs(root)
-            fsync_path(os.path.dirname(root) or ".")  # the new directory's entry in run_dir
-        shutil.rmtree(tmp, ignore_errors=True)
-    if multi:
-        dist.barrier()
-
-
-def _write_files(tmp: str, state: dict, groups_text: str | None, multi: bool, leader: bool,
-                 checksums: bool) -> dict[str, str] | None:
-    """Every rank's DCP files, then the leader's optim.json, into `tmp`; the leader's checksums or None."""
-    with _dcp_call() as kw:  # replicated tensors are written once
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), **kw)
-    if multi:
-        dist.barrier()
-    if leader and groups_text is not None:
-        _write_file(os.path.join(tmp, OPTIM_FILE), groups_text)
-    return _checksums_at_save(tmp, multi, leader) if checksums else None
-
-
 def _publish(tmp: str, final: str, meta: dict, pid: int) -> None:
     """The leader's last steps: meta.json (last: its presence marks completeness), everything fsynced,
     `tmp` renamed to `final` (an earlier save of the same step swapped out, then deleted)."""
@@ -433,7 +433,9 @@ def pid_alive(pid: int) -> bool:
 def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> None:
     steps = _step_dirs(root)
     complete = [s for s, _ in _complete_checkpoints(root)]
-    keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0)}
+    named, _ = _named_by_latest(root)  # never the one `latest` names (just_written, but said outright)
+    keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0),
+            *([_step_of(named)] if named else [])}
     doomed = [n for s, n in steps if s not in keep]
     trash = [os.path.join(root, f".{n}.old-{os.getpid()}") for n in doomed]
     for n, aside in zip(doomed, trash):  # aside first: a crash mid-rmtree must not leave a husk

@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+from data_tools.storage import EXIT_STORAGE, StorageError
+
 from pretrain.preemption import EXIT_REQUEUE, StopRequested
 
 _INFO_HELP = """examples:
@@ -182,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"pretrain {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except StorageError as e:  # one sentence; nothing written before is lost (writes go to temporaries renamed into place)
+        print(f"pretrain {args.verb}: error: {e}; nothing written before was lost: run the same command again "
+              "once the storage is fixed" + (" (it resumes from the latest checkpoint)" if args.verb == "train" else ""),
+              file=sys.stderr)
+        return EXIT_STORAGE
     except Exception as e:
         if not isinstance(e, (ValueError, FileNotFoundError)) and type(e).__name__ not in _CLEAN_ERRORS:
             raise  # an unexpected failure keeps its traceback

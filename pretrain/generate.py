@@ -69,24 +69,29 @@ def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tu
     if is_export_folder(path):  # a folder written by `pretrain export` (torch and safetensors only)
         return load_folder(path, device, overrides, log, need)
     from data_tools.tokenizer import load_tokenizer
-    from pretrain.checkpoint import checkpoint_to_read, load_checkpoint, load_latest
+    from pretrain.checkpoint import load_checkpoint, load_latest
     from pretrain.config import config_from_dict
     from pretrain.models import get_arch
+    from pretrain.readers import read_with_fallback
     from pretrain.runs import check_inference_overrides, stored_config
 
-    ckpt, is_run = checkpoint_to_read(path)  # load_latest says why when it falls back, below
-    meta, cfg, _ = stored_config(ckpt, log)
-    check_inference_overrides(meta["config"], overrides)
-    cfg = config_from_dict(cfg.to_dict(), overrides=overrides)
-    cfg.data.check_files(need)
-    spec = get_arch(cfg.model.arch)
-    with torch.device(device):  # initialised, then overwritten by the checkpoint's weights
-        model = spec.build(cfg.model)
-    kw = dict(optimizer=None, restore_rng=False, expect_arch=cfg.model.arch, verify=cfg.checkpoint.verify, log=log)
-    if is_run:
-        load_latest(path, model, **kw)
-    else:
-        load_checkpoint(ckpt, model, **kw)
+    def read(ckpt: str, is_run: bool):  # again from a newer checkpoint if a trainer prunes this one meanwhile
+        meta, cfg, _ = stored_config(ckpt, log)
+        check_inference_overrides(meta["config"], overrides)
+        cfg = config_from_dict(cfg.to_dict(), overrides=overrides)
+        cfg.data.check_files(need)
+        spec = get_arch(cfg.model.arch)
+        with torch.device(device):  # initialised, then overwritten by the checkpoint's weights
+            model = spec.build(cfg.model)
+        kw = dict(optimizer=None, restore_rng=False, expect_arch=cfg.model.arch, verify=cfg.checkpoint.verify,
+                  log=log)
+        if is_run:  # load_latest says why when it falls back past a corrupt checkpoint
+            load_latest(path, model, **kw)
+        else:
+            load_checkpoint(ckpt, model, **kw)
+        return model, spec, cfg
+
+    model, spec, cfg = read_with_fallback(path, read, log)
     model.eval()
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
     return model, spec, cfg, tokenizer

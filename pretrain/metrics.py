@@ -13,6 +13,7 @@ import platform
 import time
 
 from data_tools.files import atomic_write
+from data_tools.storage import storage_operation
 
 # Dense bf16 peak TFLOP/s of common training GPUs (vendor figures, no sparsity).
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "B200": 2250.0, "A100": 312.0, "A10G": 125.0,
@@ -81,11 +82,12 @@ class MetricsLog:
 
     def __init__(self, run_dir: str, resume_step: int = 0):
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_step == 0 and os.path.exists(self.path):
-            os.replace(self.path, self.path + ".old")  # a fresh run: keep the previous file aside
-        elif resume_step > 0:
-            self._truncate_after(resume_step)
-        self._f = open(self.path, "a")
+        with storage_operation("opening the metrics", self.path):
+            if resume_step == 0 and os.path.exists(self.path):
+                os.replace(self.path, self.path + ".old")  # a fresh run: keep the previous file aside
+            elif resume_step > 0:
+                self._truncate_after(resume_step)
+            self._f = open(self.path, "a")
 
     def _truncate_after(self, step: int) -> None:
         # Records past the checkpoint we resume from were made by the run that died; the resumed run
@@ -97,8 +99,9 @@ class MetricsLog:
         atomic_write(self.path, "".join(kept))
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, sort_keys=False) + "\n")
-        self._f.flush()
+        with storage_operation(f"writing the metrics of step {record.get('step')}", self.path):
+            self._f.write(json.dumps(record, sort_keys=False) + "\n")
+            self._f.flush()
 
     def close(self) -> None:
         self._f.close()

@@ -10,7 +10,9 @@ save loses nothing already written.
 """
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 import time
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped cleanly on request, resume me
@@ -81,3 +83,24 @@ class StopOnSignal:
 
     def seconds_since_signal(self) -> float:
         return time.monotonic() - self.t_signal
+
+
+@contextlib.contextmanager
+def sigint_deferred():
+    """Ctrl-C (SIGINT) during a save is held until the save is over, then delivered: a checkpoint is
+    completed (or fails cleanly) instead of being torn by a KeyboardInterrupt inside DCP's writers.
+    Only the main thread can set handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:  # delivered now, as the handler in place before the save would have
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt

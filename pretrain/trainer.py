@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import describe_paths_used, reset_paths_used
+from data_tools.files import atomic_write
+from data_tools.storage import free_bytes, mb, storage_operation, tree_bytes
 from parallel.apply import parallelize
 from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_and_size
 from parallel.dist import detect_env, init_distributed, rank_logger
@@ -37,7 +39,7 @@ from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory
 from pretrain.models import count_parameters, get_arch
 from pretrain.models.base import EVAL, StepContext
 from pretrain.optim import build_optimizer, lr_at
-from pretrain.preemption import StopOnSignal, StopRequested
+from pretrain.preemption import StopOnSignal, StopRequested, sigint_deferred
 from pretrain.runlock import hold_run_dir
 from pretrain.runs import make_absolute
 from pretrain.tasks import accuracy_line
@@ -228,14 +230,16 @@ class Trainer:
     def _prepare_run_dir(self) -> None:
         if self.rank != 0:
             return
-        os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(self.cfg))
+        with storage_operation("writing the run's config", self.run_dir):
+            os.makedirs(self.run_dir, exist_ok=True)
+            atomic_write(os.path.join(self.run_dir, "config.yaml"), to_yaml(self.cfg))
         if self.cfg.data.tokenizer:  # a run directory must be usable without the original data tree
             dest = os.path.join(self.run_dir, "tokenizer", os.path.basename(self.cfg.data.tokenizer))
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            if not (os.path.exists(dest) and os.path.samefile(dest, self.cfg.data.tokenizer)):  # resumed on its copy
-                shutil.copy2(self.cfg.data.tokenizer, dest)
+            with storage_operation("copying the tokenizer", dest):
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                if not (os.path.exists(dest) and os.path.samefile(dest, self.cfg.data.tokenizer)):  # resumed on it
+                    shutil.copy2(self.cfg.data.tokenizer, dest + ".tmp")
+                    os.replace(dest + ".tmp", dest)
 
     def _resume(self) -> None:
         """Continue the run's own latest checkpoint; without one, start from checkpoint.init_from's
@@ -275,11 +279,22 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def save(self) -> str:
+        """Checkpoint this step. Ctrl-C during it lands after it, with the step recorded as saved, so
+        an interrupt ends as cleanly as between steps; a storage fault is a StorageError (the previous
+        checkpoint stays latest) and a line warns when the next checkpoint may not fit."""
         meta = {"consumed_samples": self.consumed, "config": self.cfg.to_dict(),
                 "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None}
         c = self.cfg.checkpoint
-        return save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every,
-                               checksums=c.verify)
+        with sigint_deferred():
+            path = save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every,
+                                   checksums=c.verify)
+            self.last_saved = self.step
+        if self.rank == 0:
+            size, free = tree_bytes(path), free_bytes(path)
+            if free is not None and free < 2 * size:
+                self.log(f"warning: {mb(free)} free on the filesystem of {self.run_dir}, and a checkpoint takes "
+                         f"{mb(size)}: the next ones may not fit (free space, or lower checkpoint.keep_last)")
+        return path
 
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -422,7 +437,6 @@ class Trainer:
         every, last = self.cfg.checkpoint.every, self.step == self.cfg.train.max_steps
         if last or (every and self.step % every == 0):
             self.save()
-            self.last_saved = self.step
         if not last and stop.agreed(self.world_size > 1):
             if self.step > self.last_saved:
                 self.save()

@@ -161,7 +161,11 @@ def end(run_dir: str, rc: int, stopped: bool, start_step: int, max_restarts: int
     if rc == 0 and not stopped:
         return EXIT_DONE, f"job {job}: training finished at step {step}"
     fruitless = fruitless_ends(history)
+    from data_tools.storage import EXIT_STORAGE
+
     why = (f"stopped by the warning signal at step {step}" if stopped or rc == EXIT_REQUEUE
+           else f"stopped by a storage fault (disk full, quota, permissions: see the log; latest checkpoint: step "
+                f"{step}, intact)" if rc == EXIT_STORAGE
            else f"training failed with exit code {rc} (latest checkpoint: step {step})")
     if fruitless > max_restarts:
         return EXIT_GAVE_UP, (f"job {job}: {why}; not requeued: {fruitless} starts in a row ended without a new "

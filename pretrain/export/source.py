@@ -27,17 +27,20 @@ def read_checkpoint(path: str, log=print) -> Checkpointed:
     line, as eval does), or checkpoint directory `path` (a corrupt or half-written file is an error
     naming it). Loads the model tensors only (no optimizer), whatever layout saved them, and checks
     them against the model its config builds (names and shapes)."""
-    from pretrain.checkpoint import CheckpointError, SavedModel, checkpoint_to_read, load_checkpoint, load_latest
+    from pretrain.checkpoint import CheckpointError, SavedModel, load_checkpoint, load_latest
+    from pretrain.readers import read_with_fallback
     from pretrain.models import get_arch, weight_shapes
     from pretrain.runs import stored_config
 
-    ckpt, is_run = checkpoint_to_read(path)
-    saved = SavedModel()
-    if is_run:
-        ckpt, _ = load_latest(path, saved, restore_rng=False, log=log)
-    else:
-        load_checkpoint(ckpt, saved, restore_rng=False, log=log)
-    meta, cfg, run_dir = stored_config(ckpt, log=lambda _: None)
+    def read(ckpt: str, is_run: bool):  # again from a newer checkpoint if a trainer prunes this one meanwhile
+        saved = SavedModel()
+        if is_run:
+            ckpt, _ = load_latest(path, saved, restore_rng=False, log=log)
+        else:
+            load_checkpoint(ckpt, saved, restore_rng=False, log=log)
+        return ckpt, saved, stored_config(ckpt, log=lambda _: None)
+
+    ckpt, saved, (meta, cfg, run_dir) = read_with_fallback(path, read, log)
     upgrade = get_arch(cfg.model.arch).upgrade_state
     if upgrade is not None:
         saved.state = upgrade(saved.state, cfg.model)

@@ -22,6 +22,8 @@ import os
 import shutil
 import time
 
+from data_tools.storage import check_space, storage_operation
+
 FORMAT, FORMAT_VERSION = "recurrent-pretrain", 1
 CONFIG_FILE, WEIGHTS_FILE, GENERATION_FILE, CARD_FILE = ("config.json", "model.safetensors",
                                                          "generation_config.json", "README.md")
@@ -135,7 +137,10 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
     metrics.setdefault("tokens", int(ck.meta["step"]) * cfg.tokens_per_step)
     kinds = sorted({str(d).removeprefix("torch.") for _, d in specs.values()})
     dtype_name = kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds)
-    with atomic_folder(out, force, source) as tmp:
+    needed = sum(math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in specs.values())
+    operation = f"exporting {source} to {out}"
+    check_space(operation, out, needed)  # before anything is written
+    with storage_operation(operation, out, needed), atomic_folder(out, force, source) as tmp:  # partial files removed
         size = write_safetensors(os.path.join(tmp, WEIGHTS_FILE), specs, tensor_of, {"format": "pt"})
         tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
         if fmt == "hf":

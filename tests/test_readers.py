@@ -1,0 +1,105 @@
+"""Retention with readers (issue 25 point 4): `pretrain eval`, `generate` and `export` read a checkpoint
+that the trainer may prune meanwhile; they finish on it or read the newest complete one with a line,
+never fail half-way nor read a mix; pruning never deletes the checkpoint `latest` names."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from data_tools.files import atomic_write
+from pretrain import checkpoint as ckpt
+from pretrain.config import load_config
+from pretrain.export.source import read_checkpoint
+from pretrain.generate import load_for_inference
+from pretrain.trainer import Trainer
+from trainer_helpers import tiny_overrides, write_markov_corpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
+
+
+def overrides(tmp, corpus, run_dir, steps, keep_last):
+    return tiny_overrides(tmp, corpus, **{"train.run_dir": str(run_dir), "train.max_steps": steps,
+                                          "train.eval_every": 0, "checkpoint.every": 1,
+                                          "checkpoint.keep_last": keep_last, "train.compile": "false",
+                                          "schedule.warmup_steps": 0})
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
+def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, corpus, monkeypatch, reader):
+    run = tmp_path / "run"
+    Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 3, 3)), log=lambda *_: None).fit()
+    root = run / "checkpoints"
+    want = read_checkpoint(str(root / "step_00000003"), log=pytest.fail).state
+    shutil.move(root / "step_00000003", tmp_path / "later")  # the trainer has not written step 3 yet
+    atomic_write(str(root / "latest"), "step_00000002\n")
+    real_load, lines = ckpt.dcp.load, []
+
+    def load_while_the_trainer_saves_and_prunes(*args, **kwargs):
+        if (tmp_path / "later").exists():  # mid-read: step 3 appears, latest moves, keep_last=1 prunes 1 and 2
+            shutil.move(tmp_path / "later", root / "step_00000003")
+            atomic_write(str(root / "latest"), "step_00000003\n")
+            ckpt._retain(str(root), 3, 1, 0)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.dcp, "load", load_while_the_trainer_saves_and_prunes)
+    if reader == "eval":
+        model, *_ = load_for_inference(str(run), log=lines.append, need=())
+        got = model.state_dict()
+    else:
+        got = read_checkpoint(str(run), log=lines.append).state
+    assert sorted(os.listdir(root)) == ["latest", "step_00000003"]
+    assert any("step_00000002 was pruned by the trainer while being read; reading step_00000003 instead" in ln
+               for ln in lines), lines
+    for name, tensor in want.items():  # entirely step 3's weights: no mix
+        assert torch.equal(got[name], tensor), name
+
+
+def test_a_checkpoint_that_is_still_there_keeps_its_own_error(tmp_path, corpus):
+    run = tmp_path / "run"
+    Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 1, 1)), log=lambda *_: None).fit()
+    (run / "checkpoints" / "step_00000001" / "optim.json").unlink()  # damaged, not pruned
+    with pytest.raises(ckpt.CheckpointError, match="step_00000001"):
+        read_checkpoint(str(run / "checkpoints" / "step_00000001"), log=lambda _: None)
+
+
+def test_pruning_never_deletes_what_latest_names(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(str(tmp_path), step, model, None, {}, keep_last=5)
+    root = tmp_path / "checkpoints"
+    atomic_write(str(root / "latest"), "step_00000001\n")  # say a reader's fallback or an operator moved it
+    ckpt._retain(str(root), 3, 1, 0)
+    assert sorted(os.listdir(root)) == ["latest", "step_00000001", "step_00000003"]
+
+
+def test_evals_while_a_trainer_prunes_every_step(tmp_path, corpus):
+    """Real processes: a trainer saving every step with keep_last=1 and evaluations reading the run."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    run = tmp_path / "run"
+    trainer = subprocess.Popen([sys.executable, "-m", "pretrain.cli", "train", "baseline/tiny",
+                                *overrides(tmp_path, corpus, run, 60, 1)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (run / "checkpoints" / "latest").exists():
+            time.sleep(0.05)
+        evals = 0
+        while trainer.poll() is None and evals < 4:
+            out = subprocess.run([sys.executable, "-m", "pretrain.cli", "eval", str(run), "--batches", "1"],
+                                 env=env, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.startswith("val loss"), out.stdout
+            evals += 1
+        assert evals >= 1
+    finally:
+        trainer.kill()
+        trainer.wait()
