@@ -273,12 +273,15 @@ def hold_run_dir(run_dir: str, timeout_s: float, log=print, device=None, env=Non
     import torch
     import torch.distributed as dist
 
+    from data_tools.storage import storage_operation
+
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank = dist.get_rank() if distributed else 0
     lock, error = None, None
     if rank == 0:
         try:
-            lock = RunLock(run_dir, timeout_s, log=log, env=env).acquire()
+            with storage_operation("taking the run directory's lock", os.path.join(run_dir, LOCK_NAME)):
+                lock = RunLock(run_dir, timeout_s, log=log, env=env).acquire()
         except Exception as e:  # noqa: BLE001 - any failure here must reach the other ranks, not strand them
             error = e
     if distributed:

@@ -256,3 +256,18 @@ def test_export_and_import_force_do_not_replace_a_held_run_directory(tmp_path):
     check_output(run, force=True)  # released: replaceable
     _write_lock(run)  # a dead holder's lock does not stop it either
     check_output(run, force=True)
+
+
+def test_a_storage_fault_taking_the_lock_is_one_sentence(tmp_path, monkeypatch):
+    import errno
+
+    from data_tools.storage import StorageError
+    from pretrain.runlock import hold_run_dir
+
+    def read_only(self):
+        raise OSError(errno.EROFS, "Read-only file system", self.path)
+
+    monkeypatch.setattr(RunLock, "_create", read_only)
+    with pytest.raises(StorageError, match="taking the run directory's lock failed: .*\\.lock"):
+        with hold_run_dir(str(tmp_path / "run"), 60, env={}):
+            pass
