@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-_CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "IndexedFormatError", "ConfigError"}
+_CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "BadStepsError", "IndexedFormatError", "ConfigError"}
 
 
 def _info(args) -> int:
