@@ -203,3 +203,21 @@ def test_every_rank_skips_the_same_step(tmp_path, corpus, engine):
         assert all(same == skipped for _, skipped, same in seen)
     skips = results[0][1]  # rank 0 speaks (the others write their rank log)
     assert len(skips) == 1 and skips[0].startswith("step 3: non-finite grad norm")
+
+
+def test_data_position_names_each_blended_dataset_and_its_samples():
+    from types import SimpleNamespace
+
+    from pretrain.bad_steps import data_position
+    from pretrain.data.blend import BlendedDataset
+
+    a, b = SimpleNamespace(name="web_text_document"), SimpleNamespace(name="code_text_document")
+    blend = BlendedDataset([(3, a), (1, b)], block_size=8)  # per block of 8: 6 of a, 2 of b
+    expected = {}
+    for i in range(8, 16):
+        d, k = blend.source(i)
+        expected.setdefault(d, []).append(k)
+    assert sorted(expected[0]) == list(range(6, 12)) and sorted(expected[1]) == [2, 3]
+    assert data_position(blend, 8, 8) == ("samples 8-15 of the blend (web_text_document: 6-11; "
+                                          "code_text_document: 2-3)")
+    assert data_position(SimpleNamespace(name="markov"), 16, 8) == "samples 16-23 of markov"
