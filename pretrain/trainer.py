@@ -27,8 +27,9 @@ from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_a
 from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
+from pretrain.bad_steps import NonFiniteLossError  # noqa: F401  (raised from here; callers import it here)
+from pretrain.bad_steps import BadSteps, data_position
 from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
-from pretrain.bad_steps import BadSteps, NonFiniteLossError, data_position
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_vocab, train_dataset, valid_dataset
@@ -41,9 +42,6 @@ from pretrain.optim import build_optimizer, lr_at
 from pretrain.preemption import StopOnSignal, StopRequested
 from pretrain.runs import make_absolute
 from pretrain.tasks import accuracy_line
-
-
-__all__ = ["NonFiniteLossError", "Trainer", "evaluate_loss"]  # NonFiniteLossError: pretrain/bad_steps.py's
 
 
 def resolve_device(train) -> torch.device:
@@ -279,8 +277,9 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def save(self) -> str:
-        meta = {"consumed_samples": self.consumed, "config": self.cfg.to_dict(), "bad_steps": self.bad_steps.state(),
-                "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None}
+        meta = {"consumed_samples": self.consumed, "config": self.cfg.to_dict(),
+                "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None,
+                "bad_steps": self.bad_steps.state()}  # the run of skips and outlier windows (bad_steps.py)
         c = self.cfg.checkpoint
         return save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every,
                                checksums=c.verify)
