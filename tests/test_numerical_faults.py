@@ -188,7 +188,9 @@ ENGINES = {
     "ddp": {},
     "megatron": {"parallel.data_parallel": "megatron"},
     "megatron_distopt": {"parallel.data_parallel": "megatron", "parallel.distributed_optimizer": "true"},
+    "zero1": {"parallel.data_parallel": "deepspeed", "parallel.zero_stage": 1},
     "zero2": {"parallel.data_parallel": "deepspeed", "parallel.zero_stage": 2},
+    "zero3": {"parallel.data_parallel": "deepspeed", "parallel.zero_stage": 3},
     "tp2": {"parallel.tp": 2},
 }
 
