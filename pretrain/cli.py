@@ -46,6 +46,12 @@ optimizer, step 0 and a fresh data order. Another model.arch is converted by the
 (its registry `convert`; without one it is refused). Shapes and the conversion are checked before
 any work; once the run has its own checkpoint, it resumes that and init_from is not read.
 
+A step whose loss or grad norm is not finite stops the run (train.nan_policy=stop) or is skipped
+without touching the optimizer (train.nan_policy=skip); more than train.max_bad_steps (default 5)
+skips in a row stop it, naming the steps and their data. train.skip_outlier_z=Z (default 0 = off)
+also skips a loss or grad norm more than Z std above its mean over the last
+train.skip_outlier_window steps.
+
 """ + _RUN_PATHS
 
 
@@ -196,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-_CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "IndexedFormatError", "ConfigError"}
+_CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "BadStepsError", "IndexedFormatError", "ConfigError"}
 
 
 def _info(args) -> int:

@@ -139,6 +139,7 @@ def progress_line(r: dict, max_steps: int, diagnostics: tuple = ()) -> str:
         f"{r['tflops_per_device']:.2f} TFLOP/s/dev MFU {100 * r['mfu']:.1f}% | mem {r['memory_gb']:.2f} GB | "
         f"data {t['data']:.0%} fwd {t['forward']:.0%} bwd {t['backward']:.0%} opt {t['optimizer']:.0%} | "
         f"ETA {format_duration(r['eta_s'])}"
+        + (f" | skipped {r['skipped_steps']} (run: {r['skipped_total']})" if r.get("skipped_total") else "")
     )
 
 

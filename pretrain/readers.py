@@ -14,7 +14,7 @@ import os
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
-ATTEMPTS = 4  # a reader that loses this many races in a row is told so (each is a whole save apart)
+ATTEMPTS = 10  # a reader that loses this many races in a row is told so (each is a whole save apart)
 
 
 def _identity(path: str) -> tuple[int, int] | None:

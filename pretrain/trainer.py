@@ -29,6 +29,8 @@ from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_a
 from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
+from pretrain.bad_steps import NonFiniteLossError  # noqa: F401  (raised from here; callers import it here)
+from pretrain.bad_steps import BadSteps, data_position
 from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
@@ -43,10 +45,6 @@ from pretrain.preemption import StopOnSignal, StopRequested, sigint_deferred
 from pretrain.runlock import hold_run_dir
 from pretrain.runs import make_absolute
 from pretrain.tasks import accuracy_line
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or the gradients became NaN/inf and train.nan_policy is stop."""
 
 
 def resolve_device(train) -> torch.device:
@@ -151,6 +149,7 @@ class Window:
     optimizer: float = 0.0  # seconds: the finiteness check, the step, zero_grad
     lr: float = 0.0
     grad_norm: torch.Tensor | None = None
+    skipped: int = 0  # steps of the window whose update was skipped (pretrain/bad_steps.py)
 
     @classmethod
     def start(cls, device: torch.device) -> "Window":
@@ -160,9 +159,10 @@ class Window:
         for name, value in diagnostics.items():
             self.diagnostics[name] = self.diagnostics.get(name, 0.0) + value / dp_size
 
-    def end_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> None:
+    def end_step(self, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor, skipped: bool = False) -> None:
         self.loss += loss
         self.steps += 1
+        self.skipped += skipped
         self.lr, self.grad_norm = lr, grad_norm
 
     def record(self, step: int, consumed: int, run: RunFacts) -> dict:
@@ -185,6 +185,7 @@ class Window:
             "memory_gb": memory_gb(run.device), "time_split": {k: v / busy for k, v in parts.items()},
             "eta_s": (run.max_steps - step) * elapsed / steps,
             "consumed_samples": consumed, "tokens": consumed * run.seq_len,
+            "skipped_steps": self.skipped,  # in this window; the run's total is added by the trainer
         }
 
 
@@ -225,6 +226,7 @@ class Trainer:
                               self.peak_tflops, self.device)
         self.metrics = self.wandb = None  # rank 0's outputs while fit() runs
         self.last_saved, self.kernels_reported = 0, False
+        self.bad_steps = BadSteps(t)  # which steps are skipped, when skipping stops the run
 
     # -- setup ---------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -259,6 +261,7 @@ class Trainer:
                 self.log(load_initial_weights(self.cfg, self.engine, log=self.log))
             return
         self.step, self.consumed = int(meta["step"]), int(meta["consumed_samples"])
+        self.bad_steps.load(meta.get("bad_steps"))
         self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed" +
                  (f" (checkpoint.init_from {c.init_from} is not read: the run has its own checkpoint)"
                   if c.init_from else ""))
@@ -283,7 +286,8 @@ class Trainer:
         an interrupt ends as cleanly as between steps; a storage fault is a StorageError (the previous
         checkpoint stays latest) and a line warns when the next checkpoint may not fit."""
         meta = {"consumed_samples": self.consumed, "config": self.cfg.to_dict(),
-                "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None}
+                "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None,
+                "bad_steps": self.bad_steps.state()}  # the run of skips and outlier windows (bad_steps.py)
         c = self.cfg.checkpoint
         with sigint_deferred():
             path = save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every,
@@ -357,12 +361,12 @@ class Trainer:
         self.engine.set_lr(lr)
         step_loss, grad_norm = self._forward_backward(batches, window)
         t0 = time.perf_counter()
-        grad_norm = self._step_if_finite(step_loss, grad_norm, lr)
+        grad_norm, skipped = self._step_or_skip(step_loss, grad_norm)
         self.engine.zero_grad()
         window.optimizer += time.perf_counter() - t0
         self.step += 1
         self.consumed += t.global_batch_seqs
-        window.end_step(step_loss, lr, grad_norm)
+        window.end_step(step_loss, lr, grad_norm, skipped)
 
     def _forward_backward(self, batches, window: Window) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One optimizer step's forward/backward over its micro batches; returns (loss, grad norm).
@@ -387,23 +391,35 @@ class Trainer:
             self.cfg.tokens_per_step
         return loss_sum / self.dp_size, self.engine.finish_grads(self.cfg.optim.grad_clip)
 
-    def _step_if_finite(self, step_loss: torch.Tensor, grad_norm, lr: float) -> torch.Tensor:
-        """The optimizer step, unless the gradients are not finite (then train.nan_policy: raise, or
-        skip the step); returns the grad norm to log."""
-        # The reduced gradients' norm is the same on every rank, so all ranks agree on a skip; the
-        # check is a sync, free on CPU, and NaNs must not reach the weights. Without a norm before
-        # the step, the loss summed over ranks stands in for it.
-        health = grad_norm if grad_norm is not None else all_reduce_sum(step_loss.clone(), "loss check")
-        if torch.isfinite(health):
+    def _step_or_skip(self, step_loss: torch.Tensor, grad_norm) -> tuple[torch.Tensor, bool]:
+        """The optimizer step, or its skip (pretrain/bad_steps.py: a non-finite or outlier loss or grad
+        norm; train.nan_policy, train.max_bad_steps); returns (the grad norm to log, skipped).
+
+        One host sync per step: the loss summed over data-parallel ranks and the reduced global grad
+        norm (the same on every rank, so every rank decides the same) come to the host together.
+        A skipped step's gradients are dropped by the zero_grad that follows; the optimizer (moments,
+        step count) is untouched. DeepSpeed knows the grad norm only inside its step, where its own
+        overflow check skips a non-finite one: that skip is read back and judged like the others."""
+        loss = all_reduce_sum(step_loss.detach().clone().float(), "loss check") / max(self.dp_size, 1)
+        values = torch.stack([loss, grad_norm.detach().float().to(loss.device)]) if grad_norm is not None \
+            else loss.reshape(1)
+        host = values.tolist()
+        norm = host[1] if grad_norm is not None else None
+        verdict = self.bad_steps.judge(self.step + 1, host[0], norm)
+        if not verdict.skip:
             self.engine.step()
-            return grad_norm if grad_norm is not None else self.engine.grad_norm_after_step()
-        if self.cfg.train.nan_policy == "stop":
-            raise NonFiniteLossError(
-                f"non-finite loss {step_loss.item()} at step {self.step + 1} (lr {lr:.3e}, grad norm "
-                f"{health.item():.3e}); the last checkpoint is intact. Lower optim.lr, check "
-                "the data, or set train.nan_policy=skip")
-        self.log(f"step {self.step + 1}: non-finite loss, step skipped (train.nan_policy=skip)")
-        return health
+            if grad_norm is None:  # DeepSpeed: the norm is known now; its overflow check skipped a bad one
+                grad_norm = self.engine.grad_norm_after_step()
+                verdict = self.bad_steps.judge_after_step(self.step + 1, host[0], float(grad_norm))
+        if verdict.skip:
+            self.bad_steps.skipped(self.step + 1, verdict, self._data_position(), self.log)
+            return (grad_norm if grad_norm is not None else loss), True
+        self.bad_steps.good()
+        return grad_norm, False
+
+    def _data_position(self) -> str:
+        """The samples the current step read (it has not advanced self.consumed yet)."""
+        return data_position(self.train_data, self.consumed, self.cfg.train.global_batch_seqs)
 
     def _eval_due(self) -> bool:
         t = self.cfg.train
@@ -417,6 +433,7 @@ class Trainer:
         metrics.jsonl and W&B on rank 0 and said in a progress line; returns it."""
         do_eval = self._eval_due()
         record = window.record(self.step, self.consumed, self.facts)
+        record["skipped_total"] = self.bad_steps.total
         if do_eval:
             record.update(self.evaluate())
         if self.metrics is not None:

@@ -97,7 +97,8 @@ def test_evals_while_a_trainer_prunes_every_step(tmp_path, corpus):
             out = subprocess.run([sys.executable, "-m", "pretrain.cli", "eval", str(run), "--batches", "1"],
                                  env=env, capture_output=True, text=True, timeout=120)
             assert out.returncode == 0, out.stderr
-            assert out.stdout.startswith("val loss"), out.stdout
+            assert out.stdout.splitlines()[-1].startswith("val loss"), out.stdout  # after any fallback lines
+            assert all(ln.startswith(("val loss", "checkpoint step_")) for ln in out.stdout.splitlines()), out.stdout
             evals += 1
         assert evals >= 1
     finally:

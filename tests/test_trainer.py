@@ -114,7 +114,7 @@ def test_nan_loss_stops_with_a_diagnostic(tmp_path, corpus):
     trainer.engine.forward = poisoned
     from pretrain.trainer import NonFiniteLossError
 
-    with pytest.raises(NonFiniteLossError, match="non-finite loss nan at step 5 .* the last checkpoint is intact"):
+    with pytest.raises(NonFiniteLossError, match="step 5: non-finite loss and grad norm .* the last checkpoint is intact"):
         trainer.fit()
     from pretrain.checkpoint import latest_checkpoint
 
@@ -191,7 +191,8 @@ def test_nan_policy_skip_drops_the_step_and_goes_on(tmp_path, corpus):
     trainer.engine.forward = poisoned
     before = [p.detach().clone() for p in trainer.model.parameters()]
     record = trainer.fit()
-    assert any("step 3: non-finite loss, step skipped" in ln for ln in lines)
+    assert any(ln.startswith("step 3: non-finite loss and grad norm") and "update skipped; data: samples 16-23"
+               in ln for ln in lines)
     assert record["step"] == 6 and all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     again = []
