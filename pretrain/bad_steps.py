@@ -1,6 +1,6 @@
 """Which optimizer steps are skipped, and when skipping has to stop the run.
 
-A step is *bad* when its loss or gradient norm is not finite, or (with train.skip_outlier_z > 0) when
+A step is *bad* when its loss or gradient norm is not finite, or (with train.skip_outlier_z set) when
 either is a spike: more than z standard deviations above its mean over the last
 train.skip_outlier_window good steps (OLMo-core's skip-step rule; active once the window is full).
 What a bad step does:
@@ -78,7 +78,7 @@ class BadSteps:
 
     def __init__(self, train):
         self.policy, self.max_bad = train.nan_policy, train.max_bad_steps
-        self.z, self.window = float(train.skip_outlier_z), int(train.skip_outlier_window)
+        self.z, self.window = float(train.skip_outlier_z or 0.0), int(train.skip_outlier_window)  # 0: off
         self.history = {"loss": deque(maxlen=self.window), "grad_norm": deque(maxlen=self.window)}
         self.run: list[tuple[int, str, str]] = []  # the current run of skips: (step, reason, data position)
         self.total = 0  # steps skipped in this run (over resumes)

@@ -48,7 +48,7 @@ any work; once the run has its own checkpoint, it resumes that and init_from is 
 
 A step whose loss or grad norm is not finite stops the run (train.nan_policy=stop) or is skipped
 without touching the optimizer (train.nan_policy=skip); more than train.max_bad_steps (default 5)
-skips in a row stop it, naming the steps and their data. train.skip_outlier_z=Z (default 0 = off)
+skips in a row stop it, naming the steps and their data. train.skip_outlier_z=Z (> 0; default null = off)
 also skips a loss or grad norm more than Z std above its mean over the last
 train.skip_outlier_window steps.
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from pretrain.optim import OptimConfig, ScheduleConfig
 
@@ -159,8 +159,8 @@ class TrainConfig:
     nan_policy: str = "stop"  # stop | skip: what a step with a non-finite loss or grad norm does
     max_bad_steps: int = 5  # skipped steps in a row allowed; one more stops the run (0: stop at the first skip)
     # skip a step whose loss or grad norm is more than z std above its mean over the last
-    # skip_outlier_window good steps (OLMo-core's rule; active once the window is full); 0 = off
-    skip_outlier_z: float = 0.0
+    # skip_outlier_window good steps (OLMo-core's rule; active once the window is full); null = off
+    skip_outlier_z: Optional[float] = None
     skip_outlier_window: int = 100
     stop_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])  # finish the step, checkpoint, exit 75
 
@@ -180,9 +180,10 @@ class TrainConfig:
         if self.max_bad_steps < 0:
             raise ConfigError(f"train.max_bad_steps must be >= 0 (skipped steps in a row before the run stops), "
                               f"got {self.max_bad_steps}")
-        if self.skip_outlier_z < 0 or self.skip_outlier_z != self.skip_outlier_z:
-            raise ConfigError(f"train.skip_outlier_z must be > 0 (the z threshold of the outlier rule) or 0 to turn "
-                              f"it off, got {self.skip_outlier_z}")
+        z = self.skip_outlier_z
+        if z is not None and not z > 0:  # NaN fails the comparison too
+            raise ConfigError(f"train.skip_outlier_z must be > 0 (the z threshold of the outlier rule), or null to turn "
+                              f"it off, got {z}")
         if self.skip_outlier_window < 2:
             raise ConfigError(f"train.skip_outlier_window must be at least 2 steps, got {self.skip_outlier_window}")
         choices = {"precision": ("auto", "fp32", "bf16"), "device": ("auto", "cpu", "cuda"),

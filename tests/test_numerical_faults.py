@@ -83,6 +83,7 @@ def train(tmp, corpus, lines=None, **extra):
 @pytest.mark.parametrize("field, value, message", [
     ("train.max_bad_steps", -1, "train.max_bad_steps must be >= 0"),
     ("train.skip_outlier_z", -2.0, "train.skip_outlier_z must be > 0"),
+    ("train.skip_outlier_z", 0.0, "train.skip_outlier_z must be > 0"),
     ("train.skip_outlier_window", 1, "train.skip_outlier_window must be at least 2"),
 ])
 def test_bad_settings_are_refused_in_one_sentence(tmp_path, corpus, field, value, message):
@@ -138,7 +139,7 @@ def test_an_outlier_is_skipped_when_the_rule_is_on(tmp_path, corpus, faults):
     assert [s for s, skipped, _ in seen if skipped] == [7] and all(same == skipped for _, skipped, same in seen)
     assert any(ln.startswith("step 7: loss ") and "is an outlier" in ln and "update skipped" in ln for ln in lines)
     # off by default: the same spike is applied
-    _, _, seen = train(tmp_path / "off", corpus, **{**extra, "train.skip_outlier_z": 0.0})
+    _, _, seen = train(tmp_path / "off", corpus, **{**extra, "train.skip_outlier_z": "null"})
     assert not any(skipped for _, skipped, _ in seen)
 
 
