@@ -266,6 +266,21 @@ def refuse_if_held(directory: str, action: str, timeout_s: float = 120.0) -> Non
                        f"{action} would replace it while it trains: wait for it to finish or choose another folder")
 
 
+def refuse_before_start(run_dir: str, timeout_s: float, env=None) -> None:
+    """The trainer's own refusal (RunLockError), raised early: for a wrapper that writes in the run
+    directory before training starts (slurm.job start's records). Silent whenever the trainer would
+    take the lock over or, as a Slurm job, wait for it."""
+    probe = RunLock(run_dir, timeout_s, log=lambda _: None, env=env)
+    try:
+        holder, mtime = read_holder(probe.path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    age = time.time() - mtime
+    if holder is None or probe._takeover_reason(holder, age) or probe._may_wait(holder):
+        return
+    raise RunLockError(probe._refusal(holder, age))
+
+
 @contextmanager
 def hold_run_dir(run_dir: str, timeout_s: float, log=print, device=None, env=None):
     """Rank 0 holds the run directory's lock for the body; with several ranks, every rank learns

@@ -128,6 +128,9 @@ def start(config: str, overrides: list[str], max_restarts: int, env=os.environ) 
     job = env.get("SLURM_JOB_ID", "0")
     cfg = load_config(config, overrides, check_data=False)
     run_dir = os.path.abspath(cfg.train.run_dir)
+    from pretrain.runlock import refuse_before_start
+
+    refuse_before_start(run_dir, cfg.checkpoint.lock_timeout_s, env)  # before this job writes anything there
     check_writable(run_dir)
     fruitless = fruitless_ends(read_history(run_dir))
     if fruitless >= max_restarts + 1:

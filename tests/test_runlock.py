@@ -271,3 +271,20 @@ def test_a_storage_fault_taking_the_lock_is_one_sentence(tmp_path, monkeypatch):
     with pytest.raises(StorageError, match="taking the run directory's lock failed: .*\\.lock"):
         with hold_run_dir(str(tmp_path / "run"), 60, env={}):
             pass
+
+
+def test_slurm_job_start_is_refused_before_writing_when_the_trainer_would_be(tmp_path):
+    """python -m slurm.job start writes records in the run directory before training: it refuses
+    exactly when the trainer would refuse at once, and stays silent for a takeover or a wait."""
+    from pretrain.runlock import refuse_before_start
+
+    run = str(tmp_path / "run")
+    _write_lock(run, pid=os.getpid(), job="7")  # a live trainer of another job on this host
+    with pytest.raises(RunLockError, match=f"process {os.getpid()} on {HOST}, Slurm job 7"):
+        refuse_before_start(run, 60, env={"SLURM_JOB_ID": "8"})
+    assert sorted(os.listdir(run)) == [LOCK_NAME]
+    _write_lock(run, host="other-node", pid=1, job="9")
+    refuse_before_start(run, 60, env={"SLURM_JOB_ID": "8"})  # another node: the trainer would wait
+    _write_lock(run, pid=_dead_pid())
+    refuse_before_start(run, 60, env={})  # a dead holder: taken over
+    refuse_before_start(str(tmp_path / "none"), 60, env={})  # no lock at all
