@@ -178,6 +178,9 @@ def _second_trainer_refused(tmp_path, corpus, launcher=None, readers=False):
                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_steps(run / "metrics.jsonl", 2, first)
+        deadline = time.time() + 120  # and its first checkpoint: from then on its top-level entries stay the same
+        while time.time() < deadline and first.poll() is None and not (run / "checkpoints" / "latest").exists():
+            time.sleep(0.05)
         before = {p: os.stat(run / p).st_mtime_ns for p in ("config.yaml", LOCK_NAME)}
         listing = sorted(os.listdir(run))
         second = subprocess.run(_cli(*_over(tmp_path, corpus, 100000), launcher=launcher), env=_env(),
