@@ -18,3 +18,11 @@ def megatron_indexed():
         return pytest.importorskip(
             "megatron.core.datasets.indexed_dataset", reason="needs megatron-core (pip install megatron-core)"
         )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The synthetic Markov corpus (tests/trainer_helpers.py) most training tests run on, once per module."""
+    from trainer_helpers import write_markov_corpus
+
+    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")

@@ -15,17 +15,12 @@ import pytest
 
 from pretrain.checkpoint import latest_checkpoint, read_meta
 from pretrain.preemption import EXIT_REQUEUE
-from trainer_helpers import step_losses, tiny_overrides, write_markov_corpus
+from trainer_helpers import step_losses, tiny_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
 STEPS = 12
 TEMP = re.compile(r"\.step_\d+\.tmp-\d+")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
 
 
 @pytest.fixture(scope="module")

@@ -17,15 +17,10 @@ from pretrain.config import load_config
 from pretrain.metrics import read_metrics
 from pretrain.run_config import ConfigError
 from pretrain.trainer import Trainer
-from trainer_helpers import tiny_overrides, write_markov_corpus
+from trainer_helpers import tiny_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
 
 
 @pytest.fixture

@@ -16,14 +16,9 @@ from pretrain.config import load_config
 from pretrain.export.source import read_checkpoint
 from pretrain.generate import load_for_inference
 from pretrain.trainer import Trainer
-from trainer_helpers import tiny_overrides, write_markov_corpus
+from trainer_helpers import tiny_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
 
 
 def overrides(tmp, corpus, run_dir, steps, keep_last):

@@ -16,7 +16,7 @@ from pretrain.config import ConfigError, load_config
 from pretrain.metrics import read_metrics
 from pretrain.preemption import EXIT_REQUEUE
 from pretrain.runlock import LOCK_NAME, RunLock, RunLockError, read_holder
-from trainer_helpers import tiny_overrides, write_markov_corpus
+from trainer_helpers import tiny_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOST = socket.gethostname()
@@ -143,11 +143,6 @@ def test_a_lock_timeout_must_be_positive():
 
 
 # -- through the CLI --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
-
-
 def _env(**extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE",
                                                                      "LOCAL_"))}

@@ -17,15 +17,10 @@ from data_tools.storage import EXIT_STORAGE, StorageError, find_os_error, storag
 from pretrain import checkpoint as ckpt
 from pretrain.checkpoint import latest_checkpoint, save_checkpoint
 from pretrain.metrics import MetricsLog
-from trainer_helpers import step_losses, tiny_overrides, write_markov_corpus
+from trainer_helpers import step_losses, tiny_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
 
 
 class SmallFS:
