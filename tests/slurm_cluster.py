@@ -145,7 +145,23 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
             if state in states:
                 return state
             time.sleep(0.5)
-        raise RuntimeError(f"job {job} did not reach {'/'.join(states)} within {timeout} s (last state {state})")
+        raise RuntimeError(f"job {job} did not reach {'/'.join(states)} within {timeout} s (last state {state})\n"
+                           + self.diagnose(job))
+
+    def diagnose(self, job: str) -> str:
+        """What a stuck job leaves to read: its record, the processes still alive, the daemons' last words."""
+        parts = [self.run("scontrol", "show", "job", job, check=False).stdout.strip()]
+        ps = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,args", "--forest"], capture_output=True, text=True)
+        parts.append("\n".join(line[:200] for line in ps.stdout.splitlines()
+                               if any(k in line for k in ("python", "torchrun", "slurm", "srun", "bash", "PID"))))
+        for node in ("n1", "n2"):
+            log = os.path.join(self.root, "log", f"slurmd-{node}.log")
+            if os.path.exists(log):
+                parts.append(f"--- slurmd {node}, last lines ---\n" + "".join(open(log).readlines()[-15:]))
+        log = os.path.join(self.root, "log", "slurmctld.log")
+        if os.path.exists(log):
+            parts.append("--- slurmctld, last lines ---\n" + "".join(open(log).readlines()[-15:]))
+        return "\n".join(parts)
 
     def array_states(self, job: str) -> list[str]:
         out = self.run("scontrol", "show", "job", job, "-o", check=False).stdout
