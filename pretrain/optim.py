@@ -1,7 +1,8 @@
 """AdamW, its parameter groups, a stateless learning-rate schedule and gradient clipping.
 
 The schedule is a pure function of the step number (`lr_at`), applied with `set_lr` before
-each optimizer step: resuming needs only the step, never a scheduler state dict.
+each optimizer step: resuming needs only the step, never a scheduler state dict. The `wsd_tokens`
+kind counts tokens seen (step x tokens per step) instead of steps, as the SPS paper's recipe does.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch
 
 from parallel.grads import clip_grad_norm, set_lr  # noqa: F401  (applied by the engines)
 
-SCHEDULE_KINDS = ("wsd", "cosine", "constant")
+SCHEDULE_KINDS = ("wsd_tokens", "wsd", "cosine", "constant")
+TOKEN_FIELDS = ("warmup_tokens", "decay_tokens", "total_tokens")
 
 
 @dataclass
@@ -51,30 +53,75 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Learning-rate schedule: linear warmup, then wsd, cosine or constant (see `lr_at`)."""
+    """Learning-rate schedule: linear warmup, then wsd, cosine or constant, counted in optimizer steps;
+    or wsd_tokens, the same shape counted in tokens seen (see `lr_at` and `lr_at_tokens`)."""
 
-    kind: str = "wsd"
-    warmup_steps: int = 100
-    decay_fraction: float = 0.1
+    kind: str = "wsd"  # wsd | cosine | constant (counted in steps) | wsd_tokens (counted in tokens seen)
+    warmup_steps: int = 100  # steps of linear warmup (the step kinds; wsd_tokens ignores it)
+    decay_fraction: float = 0.1  # wsd: share of train.max_steps that decays to optim.min_lr (wsd_tokens ignores it)
+    # wsd_tokens only (0 with the other kinds): tokens seen = step x tokens per step (train.global_batch_seqs
+    # x data.seq_len), 0 at step 0
+    warmup_tokens: int = 0  # linear warmup from 0 to optim.lr over the first warmup_tokens (0 = none)
+    decay_tokens: int = 0  # linear decay to optim.min_lr over the last decay_tokens before total_tokens
+    # where the decay ends; train.max_steps must then be ceil(total_tokens / tokens per step);
+    # 0 = train.max_steps x tokens per step
+    total_tokens: int = 0
 
-    def validate(self, total_steps: int) -> None:
-        """Raise ValueError with one sentence naming the first bad field."""
+    def validate(self, total_steps: int, tokens_per_step: int | None = None) -> None:
+        """Raise ValueError with one sentence naming the first bad field. `total_steps` is train.max_steps;
+        `tokens_per_step` is needed by kind wsd_tokens only."""
         if self.kind not in SCHEDULE_KINDS:
             valid = ", ".join(repr(k) for k in SCHEDULE_KINDS)
             raise ValueError(f"schedule.kind must be one of {valid}, got {self.kind!r}")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
+        if self.kind == "wsd_tokens":
+            self._validate_tokens(total_steps, tokens_per_step)
+            return
+        for name in TOKEN_FIELDS:
+            if getattr(self, name) != 0:
+                raise ValueError(f"schedule.{name} is used by schedule.kind=wsd_tokens only; set it to 0 with "
+                                 f"schedule.kind={self.kind}, got {getattr(self, name)!r}")
         w = self.warmup_steps
         if isinstance(w, bool) or not isinstance(w, int) or not (0 <= w < total_steps):
             raise ValueError(f"schedule.warmup_steps must be an integer in [0, total_steps={total_steps}), got {w!r}")
         if not (0 < self.decay_fraction <= 1):
             raise ValueError(f"schedule.decay_fraction must be in (0, 1], got {self.decay_fraction}")
 
+    def _validate_tokens(self, total_steps: int, tokens_per_step: int | None) -> None:
+        if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step (train.global_batch_seqs x data.seq_len) must be a positive integer "
+                             f"with schedule.kind=wsd_tokens, got {tokens_per_step!r}")
+        for name in TOKEN_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"schedule.{name} must be a non-negative integer (tokens), got {value!r}")
+        if self.decay_tokens == 0:
+            raise ValueError("schedule.decay_tokens must be positive with schedule.kind=wsd_tokens (the tokens "
+                             "over which the lr decays to optim.min_lr), got 0")
+        total = self.total_tokens or total_steps * tokens_per_step
+        if self.warmup_tokens + self.decay_tokens > total:
+            where = "schedule.total_tokens" if self.total_tokens else (
+                f"train.max_steps x tokens per step = {total_steps} x {tokens_per_step}")
+            raise ValueError(f"schedule.warmup_tokens + schedule.decay_tokens ({self.warmup_tokens} + "
+                             f"{self.decay_tokens}) must not exceed the {total} total tokens ({where})")
+        if self.total_tokens:
+            steps = -(-self.total_tokens // tokens_per_step)  # ceil, in integers
+            if total_steps != steps:
+                raise ValueError(f"train.max_steps must be ceil(schedule.total_tokens / tokens per step) = "
+                                 f"ceil({self.total_tokens} / {tokens_per_step}) = {steps} with "
+                                 f"schedule.kind=wsd_tokens, got {total_steps}; set train.max_steps={steps} "
+                                 "(or schedule.total_tokens=0 to end at train.max_steps)")
 
-def lr_at(step: int, total_steps: int, optim: OptimConfig, schedule: ScheduleConfig) -> float:
+
+def lr_at(
+    step: int, total_steps: int, optim: OptimConfig, schedule: ScheduleConfig, *, tokens_per_step: int | None = None
+) -> float:
     """Learning rate for optimizer step `step` (counted from 0) of a `total_steps`-step run.
 
-    With W = warmup_steps, L = total_steps - 1 (the last step), lr and min_lr from `optim`:
+    Kind wsd_tokens is `lr_at_tokens(step * tokens_per_step, N, ...)`, N = schedule.total_tokens or
+    total_steps * tokens_per_step (`tokens_per_step` is required for it, ignored by the other kinds).
+    The step kinds, with W = warmup_steps, L = total_steps - 1 (the last step), lr and min_lr from `optim`:
 
     * warmup, step < W:  lr * (step + 1) / W  (never 0, reaches lr at step W - 1)
     * constant:          lr
@@ -92,6 +139,12 @@ def lr_at(step: int, total_steps: int, optim: OptimConfig, schedule: ScheduleCon
         raise ValueError(f"step must be non-negative, got {step}")
     if total_steps < 1:
         raise ValueError(f"total_steps must be positive, got {total_steps}")
+    if schedule.kind == "wsd_tokens":
+        if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, int) or tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step must be a positive integer with schedule.kind=wsd_tokens, "
+                             f"got {tokens_per_step!r}")
+        total_tokens = schedule.total_tokens or total_steps * tokens_per_step
+        return lr_at_tokens(step * tokens_per_step, total_tokens, optim, schedule)
     lr, min_lr, warmup, last = optim.lr, optim.min_lr, schedule.warmup_steps, total_steps - 1
     if step < warmup:
         return lr * ((step + 1) / warmup)  # (step+1)/warmup first, so step W-1 gives exactly lr
@@ -109,6 +162,31 @@ def lr_at(step: int, total_steps: int, optim: OptimConfig, schedule: ScheduleCon
         return min_lr + (lr - min_lr) * (1.0 - p)
     valid = ", ".join(repr(k) for k in SCHEDULE_KINDS)
     raise ValueError(f"schedule.kind must be one of {valid}, got {schedule.kind!r}")
+
+
+def lr_at_tokens(tokens: int, total_tokens: int, optim: OptimConfig, schedule: ScheduleConfig) -> float:
+    """The wsd_tokens learning rate after `tokens` tokens seen, of a run whose decay ends at `total_tokens`.
+
+    With P = optim.lr, m = optim.min_lr, W = schedule.warmup_tokens, D = schedule.decay_tokens, N = total_tokens:
+
+    * warmup, t < W:       P * t / W  (exactly 0 at t = 0)
+    * stable:              P  (up to and including t = N - D)
+    * decay, N - D < t < N: m + (P - m) * (N - t) / D
+    * t >= N:              m  (exactly)
+
+    Token counts are integers, so each ratio is a single rounding of exact integers.
+    """
+    if tokens < 0:
+        raise ValueError(f"tokens must be non-negative, got {tokens}")
+    lr, min_lr = optim.lr, optim.min_lr
+    warmup, decay = schedule.warmup_tokens, schedule.decay_tokens
+    if tokens < warmup:
+        return lr * (tokens / warmup)
+    if tokens <= total_tokens - decay:
+        return lr
+    if tokens >= total_tokens:
+        return min_lr
+    return min_lr + (lr - min_lr) * ((total_tokens - tokens) / decay)
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

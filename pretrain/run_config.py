@@ -276,7 +276,7 @@ class RunConfig:
         if check_data:
             self.data.validate()
         self.optim.validate()
-        self.schedule.validate(self.train.max_steps)
+        self.schedule.validate(self.train.max_steps, self.tokens_per_step)
         self.train.validate()
         self.checkpoint.validate()
         if self.checkpoint.lock_timeout_s >= self.parallel.timeout_s:  # a Slurm job may wait that long on rank 0

@@ -357,7 +357,8 @@ class Trainer:
     def _optimizer_step(self, batches, window: Window) -> None:
         """One step: the scheduled lr, forward/backward, the step itself (or its skip), into `window`."""
         t = self.cfg.train
-        lr = lr_at(self.step, t.max_steps, self.cfg.optim, self.cfg.schedule)
+        lr = lr_at(self.step, t.max_steps, self.cfg.optim, self.cfg.schedule,
+                   tokens_per_step=self.cfg.tokens_per_step)
         self.engine.set_lr(lr)
         step_loss, grad_norm = self._forward_backward(batches, window)
         t0 = time.perf_counter()

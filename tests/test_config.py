@@ -29,6 +29,15 @@ def test_overrides_are_typed_and_round_trip():
     assert "max_steps: 70" in to_yaml(cfg)
 
 
+def test_a_token_counted_schedule_loads_and_round_trips():
+    overrides = ["schedule.kind=wsd_tokens", "schedule.warmup_tokens=102_400", "schedule.decay_tokens=204_800",
+                 "schedule.total_tokens=1_024_000"]  # 250 steps x 4096 tokens
+    cfg = load_config("baseline/tiny", overrides, check_data=False)
+    assert (cfg.schedule.warmup_tokens, cfg.schedule.decay_tokens, cfg.schedule.total_tokens) == (
+        102_400, 204_800, 1_024_000)
+    assert config_from_dict(cfg.to_dict()) == cfg and "total_tokens: 1024000" in to_yaml(cfg)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -54,6 +63,11 @@ def test_overrides_are_typed_and_round_trip():
         (["data.seq_len=512"], "data.seq_len 512 exceeds model.max_seq_len 256"),
         (["optim.min_lr=1.0"], "optim.min_lr must be between 0 and optim.lr"),
         (["schedule.kind=linear"], "schedule.kind must be one of"),
+        (["schedule.kind=wsd_tokens"], "schedule.decay_tokens must be positive with schedule.kind=wsd_tokens"),
+        (["schedule.kind=wsd_tokens", "schedule.decay_tokens=100000", "schedule.total_tokens=2000000"],
+         r"train.max_steps must be ceil\(schedule.total_tokens / tokens per step\) = ceil\(2000000 / 4096\) = 489 "
+         r"with schedule.kind=wsd_tokens, got 250; set train.max_steps=489"),
+        (["schedule.warmup_tokens=1000"], "schedule.warmup_tokens is used by schedule.kind=wsd_tokens only"),
         (["train.precision=fp8"], "train.precision must be one of auto, fp32, bf16"),
         (["data.train=[]"], "data.train is empty"),
         (["data.train=[nowhere/x]"], "dataset 'nowhere/x' not found"),

@@ -14,6 +14,7 @@ from pretrain.optim import (
     clip_grad_norm,
     fused_unsupported_reason,
     lr_at,
+    lr_at_tokens,
     param_groups,
     set_lr,
 )
@@ -270,3 +271,99 @@ def test_clip_grad_norm_edge_cases():
     assert clip_grad_norm([torch.nn.Parameter(torch.ones(2))], 1.0).item() == 0.0
     with pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm(with_grads((2,)), -1.0)
+
+
+# The SPS paper's T10 recipe (spec numbers): WSD counted in tokens seen, 393,216 tokens per step.
+T10 = OptimConfig(lr=6e-4, min_lr=6e-5)
+T10_SCHEDULE = ScheduleConfig(kind="wsd_tokens", warmup_tokens=50_000_000, decay_tokens=2_000_000_000,
+                              total_tokens=20_000_000_000)
+T10_TOKENS_PER_STEP = 393_216
+T10_STEPS = 50_863  # ceil(20e9 / 393216)
+
+
+def t10_lr(step):
+    return lr_at(step, T10_STEPS, T10, T10_SCHEDULE, tokens_per_step=T10_TOKENS_PER_STEP)
+
+
+def t10_lr_at_tokens(tokens):
+    return lr_at_tokens(tokens, T10_SCHEDULE.total_tokens, T10, T10_SCHEDULE)
+
+
+def test_wsd_tokens_t10_recipe_numbers():
+    T10_SCHEDULE.validate(T10_STEPS, T10_TOKENS_PER_STEP)
+    assert math.ceil(20e9 / T10_TOKENS_PER_STEP) == T10_STEPS
+    assert t10_lr(1000) == 6e-4
+    assert t10_lr_at_tokens(19_000_000_000) == pytest.approx(3.3e-4, rel=1e-12)
+    assert t10_lr_at_tokens(20_000_000_000) == 6e-5 and t10_lr_at_tokens(25_000_000_000) == 6e-5  # exactly
+    assert t10_lr(T10_STEPS) == 6e-5 and t10_lr(T10_STEPS + 100) == 6e-5  # past the end: stays at min_lr
+    # the last update, step 50,862, sees 19,999,752,192 tokens
+    assert t10_lr(T10_STEPS - 1) == pytest.approx(6e-5 + 5.4e-4 * 247_808 / 2e9, rel=1e-9)
+    assert t10_lr(T10_STEPS - 1) == pytest.approx(6.0067e-5, rel=1e-5)
+    # the decay starts after 18e9 tokens: step 45,776 (17,999,855,616 tokens) is the last at the peak
+    assert 45_776 * T10_TOKENS_PER_STEP == 17_999_855_616
+    assert t10_lr(45_776) == 6e-4 and t10_lr_at_tokens(18_000_000_000) == 6e-4
+    assert t10_lr(45_777) < 6e-4
+    assert t10_lr(45_777) == pytest.approx(6e-5 + 5.4e-4 * 1_999_751_168 / 2e9, rel=1e-9)
+    assert t10_lr(45_777) == pytest.approx(5.9993e-4, rel=1e-5)
+
+
+def test_wsd_tokens_warmup_from_zero_then_plateau_then_linear_decay():
+    assert t10_lr(0) == 0.0  # tokens seen at step 0: none
+    warmup = [t10_lr(s) for s in range(128)]  # 50e6 / 393216 = 127.2: steps 0..127 are in warmup
+    assert warmup == pytest.approx([6e-4 * s * T10_TOKENS_PER_STEP / 50e6 for s in range(128)], rel=1e-12)
+    assert all(a < b for a, b in zip(warmup, warmup[1:])) and warmup[-1] < 6e-4
+    assert t10_lr(128) == 6e-4 and t10_lr_at_tokens(50_000_000) == 6e-4
+    assert t10_lr_at_tokens(25_000_000) == pytest.approx(3e-4, rel=1e-12)
+    decay = [t10_lr(s) for s in range(45_777, T10_STEPS)]
+    diffs = [a - b for a, b in zip(decay, decay[1:])]
+    assert diffs == pytest.approx([5.4e-4 * T10_TOKENS_PER_STEP / 2e9] * len(diffs), rel=1e-6)  # linear
+    assert all(6e-5 < lr < 6e-4 for lr in decay)
+
+
+def test_wsd_tokens_without_total_tokens_ends_at_max_steps_and_resumes():
+    cfg = ScheduleConfig(kind="wsd_tokens", warmup_tokens=10 * 64, decay_tokens=20 * 64)  # total: 100 x 64
+    cfg.validate(100, 64)
+    lrs = [lr_at(s, 100, OPT, cfg, tokens_per_step=64) for s in range(100)]
+    assert lrs[0] == 0.0 and lrs[10] == OPT.lr and lrs[80] == OPT.lr and lrs[81] < OPT.lr
+    assert lrs[99] == pytest.approx(OPT.min_lr + (OPT.lr - OPT.min_lr) / 20, rel=1e-12)
+    assert lr_at(100, 100, OPT, cfg, tokens_per_step=64) == OPT.min_lr
+    resumed = [lr_at(s, 100, OPT, ScheduleConfig(**vars(cfg)), tokens_per_step=64) for s in range(37, 100)]
+    assert resumed == lrs[37:]  # a pure function of the step
+
+
+def test_wsd_tokens_needs_tokens_per_step():
+    with pytest.raises(ValueError, match="^tokens_per_step .* with schedule.kind=wsd_tokens, got None$"):
+        lr_at(5, T10_STEPS, T10, T10_SCHEDULE)
+    with pytest.raises(ValueError, match="^tokens_per_step .* with schedule.kind=wsd_tokens, got None$"):
+        T10_SCHEDULE.validate(T10_STEPS)
+    assert lr_at(5, 100, OPT, ScheduleConfig("wsd", 10, 0.2), tokens_per_step=64) == lr_at(
+        5, 100, OPT, ScheduleConfig("wsd", 10, 0.2))  # the step kinds ignore it
+
+
+@pytest.mark.parametrize(
+    "changes, steps, field, says",
+    [
+        ({"decay_tokens": 0}, T10_STEPS, "schedule.decay_tokens", "must be positive"),
+        ({"warmup_tokens": -1}, T10_STEPS, "schedule.warmup_tokens", "non-negative integer"),
+        ({"total_tokens": -5}, T10_STEPS, "schedule.total_tokens", "non-negative integer"),
+        ({"warmup_tokens": 1.5e7}, T10_STEPS, "schedule.warmup_tokens", "non-negative integer"),
+        ({"warmup_tokens": 18_000_000_001}, T10_STEPS, "schedule.warmup_tokens + schedule.decay_tokens",
+         "must not exceed the 20000000000 total tokens (schedule.total_tokens)"),
+        ({"total_tokens": 0, "decay_tokens": 200 * T10_TOKENS_PER_STEP}, 100,
+         "schedule.warmup_tokens + schedule.decay_tokens", "train.max_steps x tokens per step = 100 x 393216"),
+        ({}, 50_862, "train.max_steps", "= 50863 with schedule.kind=wsd_tokens, got 50862; set train.max_steps=50863"),
+        ({}, 50_864, "train.max_steps", "got 50864; set train.max_steps=50863"),
+    ],
+)
+def test_wsd_tokens_validation_names_the_field_in_one_line(changes, steps, field, says):
+    cfg = ScheduleConfig(**{**vars(T10_SCHEDULE), **changes})
+    with pytest.raises(ValueError) as err:
+        cfg.validate(steps, T10_TOKENS_PER_STEP)
+    msg = str(err.value)
+    assert msg.startswith(f"{field} ") and says in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("field", ["warmup_tokens", "decay_tokens", "total_tokens"])
+def test_token_fields_are_refused_with_the_step_kinds(field):
+    with pytest.raises(ValueError, match=f"^schedule.{field} is used by schedule.kind=wsd_tokens only"):
+        ScheduleConfig(kind="wsd", **{field: 1000}).validate(100, 64)
