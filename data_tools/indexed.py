@@ -461,6 +461,33 @@ class IndexedDataset:
             pass
         return top
 
+    def token_counts(self, ids: list[int], chunk_tokens: int = 1 << 26) -> dict[int, int]:
+        """How many times each of `ids` occurs in the .bin (a trainer's check for ids its model reserves),
+        scanned once per id and cached in `{prefix}.ids.json`, keyed like max_token_id's cache."""
+        stamp = file_stamp(self.idx_file) + file_stamp(self.bin_file)
+        cache = self.prefix + ".ids.json"
+        counts: dict[int, int] = {}
+        try:
+            with open(cache) as f:
+                saved = json.load(f)
+            if saved.get("stamp") == stamp:
+                counts = {int(k): int(v) for k, v in saved["counts"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        missing = [i for i in ids if i not in counts]
+        if missing:
+            tokens, found = self.tokens, dict.fromkeys(missing, 0)
+            for start in range(0, len(tokens), chunk_tokens):
+                chunk = tokens[start : start + chunk_tokens]
+                for i in missing:
+                    found[i] += int(np.count_nonzero(chunk == i))
+            counts.update(found)
+            try:
+                atomic_write(cache, json.dumps({"counts": counts, "stamp": stamp}), fsync=False)
+            except OSError:
+                pass
+        return {i: counts[i] for i in ids}
+
     def __repr__(self) -> str:
         return (
             f"IndexedDataset({self.prefix!r}, sequences={len(self)}, documents={self.num_documents}, "

@@ -34,12 +34,16 @@ def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature:
     device = next(model.parameters()).device
     tokens = torch.tensor(prompt, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
+    # ids the architecture uses internally (SPS's <predict>) are never sampled
+    never = sorted(spec.internal_tokens(model.cfg).values()) if spec.internal_tokens else []
     state = spec.new_state(model, tokens.shape[0])
     logits, state = spec.step(model, tokens, state)
     out = [[] for _ in prompt]
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
     for k in range(max_tokens):
         last = logits[:, -1]
+        if never:
+            last = last.index_fill(-1, torch.tensor(never, device=device), float("-inf"))
         if temperature == 0:
             nxt = last.argmax(-1)
         else:

@@ -34,7 +34,7 @@ from pretrain.bad_steps import BadSteps, data_position
 from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
 from pretrain.config import RunConfig, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
-from pretrain.data.build import check_vocab, train_dataset, valid_dataset
+from pretrain.data.build import check_internal_tokens, check_vocab, train_dataset, valid_dataset
 from pretrain.init_from import load_initial_weights
 from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
@@ -206,6 +206,8 @@ class Trainer:
         self.spec = get_arch(cfg.model.arch)
         self.run_dir = t.run_dir
         check_vocab(cfg.data.train + cfg.data.valid, cfg.model.vocab_size)
+        if self.spec.internal_tokens:
+            check_internal_tokens(cfg.data.train + cfg.data.valid, self.spec.internal_tokens(cfg.model))
 
         def build():
             torch.manual_seed(t.seed)

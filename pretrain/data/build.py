@@ -19,6 +19,18 @@ def check_vocab(prefixes: list[str], vocab_size: int) -> None:
                              "tokenize with the model's tokenizer or raise model.vocab_size")
 
 
+def check_internal_tokens(prefixes: list[str], internal: dict[str, int]) -> None:
+    """Refuse data that holds a token id the architecture uses internally (SPS's <predict>): the model
+    could not tell that token from its own slot. One scan per dataset, cached beside it."""
+    for prefix in prefixes if internal else ():
+        counts = IndexedDataset(prefix).token_counts(sorted(internal.values()))
+        for name, token in internal.items():
+            if counts[token]:
+                raise ValueError(f"dataset {prefix} holds token id {token} ({counts[token]} times), which the model "
+                                 f"reserves for {name}; tokenize with the model's tokenizer (which never emits it) "
+                                 f"or give {name} another id")
+
+
 def _packed(data, prefix: str, split: str, split_name: str) -> PackedDataset:
     return PackedDataset(prefix, data.seq_len, seed=data.seed, split=split, split_name=split_name,
                          cache_dir=data.cache_dir or None)

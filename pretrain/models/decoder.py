@@ -162,13 +162,19 @@ class Decoder(nn.Module):
                cache: KVCache | None = None, mask: Mask | None = None) -> Tensor:
         """Final-normed hidden states [B, T, d] of tokens [B, T] at positions [B, T], under `mask`
         (default: self.mask(doc_ids))."""
-        a = self.attend(positions, self.mask(doc_ids) if mask is None else mask, cache)
-        h = self.embed(tokens)
-        for slot, block in enumerate(self.applications()):
-            h = block(h, a.at(slot))
+        h = self.trunk(tokens, positions, self.mask(doc_ids) if mask is None else mask, cache)
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.norm(h)
+
+    def trunk(self, tokens: Tensor, positions: Tensor, mask: Mask, cache=None) -> Tensor:
+        """Hidden states [B, T, d] after the last block, before the final norm (a model that reads
+        out only some positions norms those alone)."""
+        a = self.attend(positions, mask, cache)
+        h = self.embed(tokens)
+        for slot, block in enumerate(self.applications()):
+            h = block(h, a.at(slot))
+        return h
 
     def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
         """Mean next-token loss over the batch's loss_mask, and diagnostics (none here)."""

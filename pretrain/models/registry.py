@@ -100,6 +100,10 @@ class ArchSpec:
     # block several times per step can offer several (CRT: each block in each pass, or a whole pass
     # keeping only its input).
     recompute_units: Recompute | Callable[[Any], list] | dict[str, Recompute | Callable[[Any], list]] | None = None
+    # Token ids the model uses internally, {name: id} from its config (SPS's <predict>): the trainer
+    # refuses a dataset that holds one, and generation never samples one (its logits are left as the
+    # model computes them, so the decode relation still compares the model's own). None: no such ids.
+    internal_tokens: Callable[[Any], dict[str, int]] | None = None
     # Export (pretrain/export): the generic native folder works for any model whose state dict is
     # its weights; an architecture that cannot be exported says why here (the round-trip test and
     # `pretrain export` quote it). `hf`: an adapter to and from a Hugging Face transformers layout
