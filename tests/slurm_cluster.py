@@ -150,7 +150,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 
     def diagnose(self, job: str) -> str:
         """What a stuck job leaves to read: its record, the processes still alive, the daemons' last words."""
-        parts = [self.run("scontrol", "show", "job", job, check=False).stdout.strip()]
+        record = self.run("scontrol", "show", "job", job, check=False).stdout.strip()
+        parts = [record]
+        out = next((w.split("=", 1)[1] for w in record.split() if w.startswith("StdOut=")), "")
+        if os.path.isfile(out):
+            parts.append(f"--- {out}, last lines ---\n" + "".join(open(out, errors="replace").readlines()[-20:]))
         ps = subprocess.run(["ps", "-eo", "pid,ppid,pgid,stat,etime,args", "--forest"], capture_output=True, text=True)
         parts.append("\n".join(line[:200] for line in ps.stdout.splitlines()
                                if any(k in line for k in ("python", "torchrun", "slurm", "srun", "bash", "PID"))))
