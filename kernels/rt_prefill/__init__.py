@@ -1,0 +1,29 @@
+"""The Recurrent Transformer layer over a whole sequence (training and prefill): one op, several paths.
+
+    rt_prefill(x, layer, leaf=1, offset=0) -> z [B, N, d]
+
+`layer` exposes pre / post / kv / scale / slopes (reference.py's docstring), `leaf` is the leaf block
+of the tile schedule (schedule.py: 1 is the paper's Algorithm 1; any power of two gives the same
+values), `offset` the position of x's first token. Paths (kernels/registry.py):
+    "tiled"   the dyadic tile schedule with its tiled custom backward (tiled.py), picked by default
+    "naive"   the token-by-token definition with autograd through the loop (reference.py), only when
+              forced (PRETRAIN_KERNELS=rt_prefill=naive): the oracle, and N^2 memory
+Triton kernels of the tile update come later and register here, tested against both.
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+from kernels import registry
+from kernels.rt_prefill import reference, schedule, tiled
+
+OP = registry.op("rt_prefill")
+OP.register("tiled", tiled.prefill, priority=10)
+OP.register("naive", lambda x, layer, leaf=1, offset=0: reference.prefill(x, layer, offset), auto=False)
+
+
+def rt_prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:
+    return OP(x, layer, leaf, offset)
+
+
+__all__ = ["OP", "reference", "rt_prefill", "schedule", "tiled"]

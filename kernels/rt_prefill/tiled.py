@@ -1,0 +1,188 @@
+"""The Recurrent Transformer layer computed exactly with the dyadic tile schedule (spec-003 §3), and its
+custom backward (§3.5, tiled as §3.8 and §8.3 say).
+
+Forward: all queries are known up front, so each query's online-softmax state (m, l, O) starts from its
+own temporary pair (and from any cached keys of a decode prefix) and receives the persistent keys tile
+by tile (schedule.py); position t is finalised at step t, its output z_t computed, its persistent pair
+written in place. Keys moved: (N/2) log2 N instead of the naive N (N - 1) / 2.
+
+Backward (`TiledPrefill`): saved are the layer's input X, output Z and each query's log-sum-exp, never
+an N x N matrix. Phase 0 recomputes q and the temporary pairs from X, the persistent pairs from Z, and
+the attention outputs A tile by tile from the log-sum-exp. Phase 1 walks the positions backwards: the
+gradient reaching z_t is the upstream one plus what its persistent pair received (complete by then,
+since only later queries read it), the attention gradient g_t follows through post(), and the tiles
+whose queries start at t (the forward's, mirrored) pass gradient to earlier keys and to their queries.
+Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
+kv() and post() for the input and parameter gradients.
+
+`update_tile` and `tile_grads` are the two per-tile functions a kernel replaces (spec §3.8).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.rt_prefill.reference import acc_dtype, alibi
+from kernels.rt_prefill.schedule import leaf_keys, lowbit, tiles
+
+KEYS_MOVED = [0]  # persistent key rows loaded by tiled forwards since the last reset (benchmarks, tests)
+
+
+def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
+    """[B, H, nq, nk] scores of scaled queries qs (positions q0..) against keys k (positions k0..)."""
+    s = qs @ k.to(qs.dtype).transpose(-1, -2)
+    if slopes is not None:
+        dev = qs.device
+        s = s + alibi(slopes, torch.arange(q0, q0 + qs.shape[2], device=dev),
+                      torch.arange(k0, k0 + k.shape[2], device=dev), qs.dtype)
+    return s
+
+
+def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tensor, slopes, q0: int, k0: int) -> None:
+    """Fold keys k, v into the online-softmax state (m, l, O) of queries qs, in place (spec Algorithm 2)."""
+    s = scores(qs, k, slopes, q0, k0)
+    m_new = torch.maximum(m, s.amax(-1))
+    c = torch.exp(m - m_new)
+    e = torch.exp(s - m_new[..., None])
+    O.mul_(c[..., None]).add_(e @ v.to(O.dtype))
+    l.mul_(c).add_(e.sum(-1))
+    m.copy_(m_new)
+    KEYS_MOVED[0] += k.shape[2]
+
+
+def _pieces(N: int, leaf: int, t: int):
+    """(query range, key range) blocks whose queries start at t: t's own leaf keys, and the tile of
+    keys [t - P, t) into queries [t, t + P) (run in the forward after step t - 1)."""
+    out = []
+    k0, k1 = leaf_keys(t, leaf)
+    if k1 > k0:
+        out.append((t, t + 1, k0, k1))
+    if t >= 1 and lowbit(t) >= leaf:
+        P = lowbit(t)
+        out.append((t, min(t + P, N), t - P, t))
+    return out
+
+
+def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tensor, Tensor] | None = None):
+    """(Z [B, N, d], K, V [B, H, N, Dh], LSE [B, H, N]) of layer input x at positions offset..;
+    `prefix` = (K0, V0) [B, H, offset, Dh]: the persistent pairs of earlier positions (decode)."""
+    B, N, _ = x.shape
+    dtype = acc_dtype(x)
+    q, kt, vt = layer.pre(x, offset)
+    qs = q.to(dtype) * layer.scale
+    m = (qs * kt.to(dtype)).sum(-1)  # the temporary pair first (its ALiBi distance is 0)
+    l = torch.ones_like(m)
+    O = vt.to(dtype).clone()
+    if prefix is not None and prefix[0].shape[2]:
+        update_tile(qs, prefix[0], prefix[1], m, l, O, layer.slopes, offset, 0)
+    K, V = torch.empty_like(kt), torch.empty_like(vt)
+    Z = torch.empty_like(x)
+    schedule = {t: (k0, k1, q1) for t, k0, k1, q1 in tiles(N, leaf)}
+    for t in range(N):
+        k0, k1 = leaf_keys(t, leaf)
+        if k1 > k0:
+            sl = slice(t, t + 1)
+            update_tile(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
+                        layer.slopes, offset + t, offset + k0)
+        a = (O[:, :, t:t + 1] / l[:, :, t:t + 1, None]).to(x.dtype)
+        z = layer.post(x[:, t:t + 1], a)
+        Z[:, t:t + 1] = z
+        K[:, :, t:t + 1], V[:, :, t:t + 1] = layer.kv(z, offset + t)
+        if t in schedule:
+            k0, k1, q1 = schedule[t]
+            sl = slice(k1, q1)
+            update_tile(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
+                        layer.slopes, offset + k1, offset + k0)
+    return Z, K, V, m + torch.log(l)
+
+
+def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of one tile from the saved log-sum-exp (FlashAttention-2's backward on a tile):
+    (d scaled queries, d keys, d values) given g = dL/dA of its queries and D = <A, g>."""
+    p = torch.exp(scores(qs, k, slopes, q0, k0) - lse[..., None])
+    dv = p.transpose(-1, -2) @ g
+    ds = p * (g @ v.to(g.dtype).transpose(-1, -2) - D[..., None])
+    return ds @ k.to(ds.dtype), ds.transpose(-1, -2) @ qs, dv
+
+
+class TiledPrefill(torch.autograd.Function):
+    """z = layer(x) by the tile schedule, with the tiled backward described in the module docstring.
+    Called as TiledPrefill.apply(x, layer, leaf, offset, *params), params being every parameter that
+    pre, post and kv read (their gradients are returned in that order)."""
+
+    @staticmethod
+    def forward(ctx, x, layer, leaf, offset, *params):
+        with torch.no_grad():
+            Z, _, _, lse = forward(x, layer, leaf, offset)
+        ctx.save_for_backward(x, Z, lse)
+        ctx.layer, ctx.leaf, ctx.offset, ctx.n_params = layer, leaf, offset, len(params)
+        ctx.params = params
+        return Z
+
+    @staticmethod
+    def backward(ctx, gZ):
+        x, Z, lse = ctx.saved_tensors
+        layer, leaf, offset, params = ctx.layer, ctx.leaf, ctx.offset, ctx.params
+        B, N, _ = x.shape
+        dtype = acc_dtype(x)
+        with torch.enable_grad():  # phase 0: the batched graphs phase 2 backpropagates through
+            xd, zd = x.detach().requires_grad_(), Z.detach().requires_grad_()
+            q, kt, vt = layer.pre(xd, offset)
+            K, V = layer.kv(zd, offset)
+        qs = q.detach().to(dtype) * layer.scale
+        Kd, Vd, ktd, vtd = K.detach(), V.detach(), kt.detach().to(dtype), vt.detach().to(dtype)
+        p_diag = torch.exp((qs * ktd).sum(-1) - lse)
+        A = p_diag[..., None] * vtd  # the attention outputs, rebuilt from the log-sum-exp
+        for t in range(N):
+            for a0, a1, k0, k1 in _pieces(N, leaf, t):
+                p = torch.exp(scores(qs[:, :, a0:a1], Kd[:, :, k0:k1], layer.slopes, offset + a0, offset + k0)
+                              - lse[:, :, a0:a1, None])
+                A[:, :, a0:a1] += p @ Vd[:, :, k0:k1].to(dtype)
+        A_in = A.to(x.dtype)
+        dK, dV = torch.zeros_like(A), torch.zeros_like(A)
+        dqs, G = torch.zeros_like(A), torch.zeros_like(A)
+        D = torch.zeros_like(lse)
+        gZ_total = torch.empty_like(gZ)
+        for t in reversed(range(N)):  # phase 1
+            with torch.enable_grad():
+                zt = Z[:, t:t + 1].detach().requires_grad_()
+                k_t, v_t = layer.kv(zt, offset + t)
+                dz = torch.autograd.grad((k_t, v_t), zt, (dK[:, :, t:t + 1].to(k_t.dtype),
+                                                          dV[:, :, t:t + 1].to(v_t.dtype)))[0] + gZ[:, t:t + 1]
+                at = A_in[:, :, t:t + 1].detach().requires_grad_()
+                g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
+            gZ_total[:, t:t + 1] = dz
+            G[:, :, t:t + 1] = g.to(dtype)
+            D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
+            for a0, a1, k0, k1 in _pieces(N, leaf, t):
+                dq, dk, dv = tile_grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
+                                        D[:, :, a0:a1], lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0)
+                dqs[:, :, a0:a1] += dq
+                dK[:, :, k0:k1] += dk
+                dV[:, :, k0:k1] += dv
+        ds_diag = p_diag * ((G * vtd).sum(-1) - D)  # phase 2: the temporary pairs, then the batched graphs
+        dqs += ds_diag[..., None] * ktd
+        d_kt = ds_diag[..., None] * qs
+        d_vt = p_diag[..., None] * G
+        with torch.enable_grad():
+            xp = x.detach().requires_grad_()
+            zp = layer.post(xp, A_in)
+        inputs = (xd, *params)
+        grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
+                                                              d_vt.to(vt.dtype)), allow_unused=True)
+        grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
+        grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
+        dx = grads_pre[0] + grads_post[0]
+        out = []
+        for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
+            parts = [g for g in (a, b, c) if g is not None]
+            out.append(sum(parts[1:], parts[0]) if parts else None)
+        return (dx, None, None, None, *out)
+
+
+def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:
+    """z [B, N, d] by the tile schedule; differentiable through TiledPrefill's backward."""
+    params = tuple(p for p in layer.parameters() if p.requires_grad)
+    if torch.is_grad_enabled() and (x.requires_grad or params):
+        return TiledPrefill.apply(x, layer, leaf, offset, *params)
+    return forward(x, layer, leaf, offset)[0]
