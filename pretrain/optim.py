@@ -2,7 +2,9 @@
 
 The schedule is a pure function of the step number (`lr_at`), applied with `set_lr` before
 each optimizer step: resuming needs only the step, never a scheduler state dict. The `wsd_tokens`
-kind counts tokens seen (step x tokens per step) instead of steps, as the SPS paper's recipe does.
+kind counts tokens seen (step x tokens per step) instead of steps, as the SPS paper's recipe does;
+`warmup_cosine` is OLMo's CosWithWarmup (linear warmup from a fraction of the peak, cosine to
+optim.min_lr at train.max_steps), as the Recurrent Transformer paper's recipe uses.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from parallel.grads import clip_grad_norm, set_lr  # noqa: F401  (applied by the engines)
 
-SCHEDULE_KINDS = ("wsd_tokens", "wsd", "cosine", "constant")
+SCHEDULE_KINDS = ("warmup_cosine", "wsd_tokens", "wsd", "cosine", "constant")
 TOKEN_FIELDS = ("warmup_tokens", "decay_tokens", "total_tokens")
 
 
@@ -54,11 +56,16 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     """Learning-rate schedule: linear warmup, then wsd, cosine or constant, counted in optimizer steps;
-    or wsd_tokens, the same shape counted in tokens seen (see `lr_at` and `lr_at_tokens`)."""
+    warmup_cosine, OLMo's CosWithWarmup (warmup from warmup_start x optim.lr), counted in steps; or
+    wsd_tokens, the wsd shape counted in tokens seen (see `lr_at` and `lr_at_tokens`)."""
 
-    kind: str = "wsd"  # wsd | cosine | constant (counted in steps) | wsd_tokens (counted in tokens seen)
+    # wsd | cosine | constant | warmup_cosine (counted in steps) | wsd_tokens (counted in tokens seen)
+    kind: str = "wsd"
     warmup_steps: int = 100  # steps of linear warmup (the step kinds; wsd_tokens ignores it)
     decay_fraction: float = 0.1  # wsd: share of train.max_steps that decays to optim.min_lr (wsd_tokens ignores it)
+    # warmup_cosine only (0 with the other kinds): the fraction of optim.lr the warmup starts from at step 0,
+    # in [0, 1] (OLMo's alpha_0; the RT paper's 0.1)
+    warmup_start: float = 0.0
     # wsd_tokens only (0 with the other kinds): tokens seen = step x tokens per step (train.global_batch_seqs
     # x data.seq_len), 0 at step 0
     warmup_tokens: int = 0  # linear warmup from 0 to optim.lr over the first warmup_tokens (0 = none)
@@ -75,6 +82,14 @@ class ScheduleConfig:
             raise ValueError(f"schedule.kind must be one of {valid}, got {self.kind!r}")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be a positive integer, got {total_steps!r}")
+        start = self.warmup_start
+        if self.kind == "warmup_cosine":
+            if isinstance(start, bool) or not isinstance(start, (int, float)) or not (0 <= start <= 1):
+                raise ValueError(f"schedule.warmup_start must be a fraction of optim.lr in [0, 1] with "
+                                 f"schedule.kind=warmup_cosine, got {start!r}")
+        elif start != 0:
+            raise ValueError(f"schedule.warmup_start is used by schedule.kind=warmup_cosine only; set it to 0 with "
+                             f"schedule.kind={self.kind}, got {start!r}")
         if self.kind == "wsd_tokens":
             self._validate_tokens(total_steps, tokens_per_step)
             return
@@ -134,6 +149,23 @@ def lr_at(
 
     Steps past L keep the final value (min_lr, or lr for constant) so an over-long run stays sane.
     Interpolations are written as `min_lr + (lr - min_lr) * x` so that x = 0 gives min_lr exactly.
+
+    Kind warmup_cosine is OLMo's CosWithWarmup (alpha_0 = s = schedule.warmup_start, alpha_f = min_lr / lr,
+    t_max = T = total_steps), with its own warmup:
+
+    * step < W:          lr * (s + (1 - s) * step / W)  (exactly s * lr at step 0, rising to lr at W)
+    * W <= step < T:     min_lr + (lr - min_lr) * (1 + cos(pi * (step - W) / (T - W))) / 2,
+                         evaluated as lr - (lr - min_lr) * (1 - cos(...)) / 2, the same function, so
+                         that step W gives exactly lr (never an ulp above it)
+    * step >= T:         min_lr  (exactly)
+
+    The cosine reaches min_lr at T, one past the last executed step L = T - 1, which gets
+    min_lr + (lr - min_lr) * sin(pi / (2 (T - W)))**2, just above min_lr (the RT 300M recipe, lr 3e-3,
+    min_lr 3e-4, W 10,000, T 25,000: 3e-4 + 2.96e-11). OLMo's trainer increments its step before
+    asking for the lr, so its updates see steps 1..T and its last update gets min_lr exactly; here
+    updates are steps 0..T-1, so every update's lr is the one OLMo gives the update before it (and
+    the first update uses exactly s * lr, the paper's "warmup from 0.1 x lr"), a difference of at
+    most (1 - s) * lr / W during warmup and (lr - min_lr) * pi / (2 (T - W)) after it.
     """
     if step < 0:
         raise ValueError(f"step must be non-negative, got {step}")
@@ -146,6 +178,13 @@ def lr_at(
         total_tokens = schedule.total_tokens or total_steps * tokens_per_step
         return lr_at_tokens(step * tokens_per_step, total_tokens, optim, schedule)
     lr, min_lr, warmup, last = optim.lr, optim.min_lr, schedule.warmup_steps, total_steps - 1
+    if schedule.kind == "warmup_cosine":
+        if step < warmup:
+            start = schedule.warmup_start
+            return lr * (start + (1.0 - start) * step / warmup)
+        if step >= total_steps:
+            return min_lr
+        return lr - (lr - min_lr) * (1.0 - math.cos(math.pi * (step - warmup) / (total_steps - warmup))) / 2
     if step < warmup:
         return lr * ((step + 1) / warmup)  # (step+1)/warmup first, so step W-1 gives exactly lr
     step = min(step, last)

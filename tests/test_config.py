@@ -38,6 +38,14 @@ def test_a_token_counted_schedule_loads_and_round_trips():
     assert config_from_dict(cfg.to_dict()) == cfg and "total_tokens: 1024000" in to_yaml(cfg)
 
 
+def test_the_rt_papers_warmup_cosine_schedule_loads_and_round_trips():
+    overrides = ["schedule.kind=warmup_cosine", "schedule.warmup_steps=100", "schedule.warmup_start=0.1",
+                 "optim.lr=3e-3", "optim.min_lr=3e-4"]  # 40% of tiny's 250 steps
+    cfg = load_config("baseline/tiny", overrides, check_data=False)
+    assert (cfg.schedule.kind, cfg.schedule.warmup_steps, cfg.schedule.warmup_start) == ("warmup_cosine", 100, 0.1)
+    assert config_from_dict(cfg.to_dict()) == cfg and "warmup_start: 0.1" in to_yaml(cfg)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -68,6 +76,9 @@ def test_a_token_counted_schedule_loads_and_round_trips():
          r"train.max_steps must be ceil\(schedule.total_tokens / tokens per step\) = ceil\(2000000 / 4096\) = 489 "
          r"with schedule.kind=wsd_tokens, got 250; set train.max_steps=489"),
         (["schedule.warmup_tokens=1000"], "schedule.warmup_tokens is used by schedule.kind=wsd_tokens only"),
+        (["schedule.warmup_start=0.1"], "schedule.warmup_start is used by schedule.kind=warmup_cosine only"),
+        (["schedule.kind=warmup_cosine", "schedule.warmup_start=1.5"],
+         r"schedule.warmup_start must be a fraction of optim.lr in \[0, 1\] with schedule.kind=warmup_cosine, got 1.5"),
         (["train.precision=fp8"], "train.precision must be one of auto, fp32, bf16"),
         (["data.train=[]"], "data.train is empty"),
         (["data.train=[nowhere/x]"], "dataset 'nowhere/x' not found"),

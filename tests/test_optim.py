@@ -367,3 +367,92 @@ def test_wsd_tokens_validation_names_the_field_in_one_line(changes, steps, field
 def test_token_fields_are_refused_with_the_step_kinds(field):
     with pytest.raises(ValueError, match=f"^schedule.{field} is used by schedule.kind=wsd_tokens only"):
         ScheduleConfig(kind="wsd", **{field: 1000}).validate(100, 64)
+
+
+# OLMo's CosWithWarmup, the RT paper's schedule: warmup from warmup_start x lr, cosine to min_lr at T.
+def warmup_cosine(total, warmup, start=0.1, optim=OPT):
+    cfg = ScheduleConfig(kind="warmup_cosine", warmup_steps=warmup, warmup_start=start)
+    cfg.validate(total)
+    return [lr_at(s, total, optim, cfg) for s in range(total)], cfg
+
+
+def test_warmup_cosine_exact_values():
+    lrs, cfg = warmup_cosine(1000, 400)  # W = 400, cosine over 600 steps
+    lr, min_lr = OPT.lr, OPT.min_lr
+    assert lrs[0] == 0.1 * lr  # exactly
+    assert lrs[200] == pytest.approx(0.55 * lr, rel=1e-15)
+    assert lrs[:400] == pytest.approx([lr * (0.1 + 0.9 * s / 400) for s in range(400)], rel=1e-15)  # linear
+    assert all(a < b for a, b in zip(lrs[:401], lrs[1:401])) and lrs[399] < lr
+    assert lrs[400] == lr  # exactly: the peak, reached at step W
+    assert lrs[700] == pytest.approx(min_lr + (lr - min_lr) / 2, rel=1e-14)  # midway through the cosine
+    assert lrs[400:] == pytest.approx(
+        [min_lr + (lr - min_lr) * (1 + math.cos(math.pi * (s - 400) / 600)) / 2 for s in range(400, 1000)], rel=1e-13)
+    assert all(a > b for a, b in zip(lrs[400:], lrs[401:]))  # strictly decays after W
+    # the last executed step, T - 1, is one cosine step short of min_lr
+    assert lrs[-1] > min_lr and lrs[-1] == pytest.approx(min_lr + (lr - min_lr) * math.sin(math.pi / 1200) ** 2,
+                                                         rel=1e-12)
+    assert lr_at(1000, 1000, OPT, cfg) == min_lr and lr_at(5000, 1000, OPT, cfg) == min_lr  # past the end: exactly
+
+
+def test_warmup_cosine_rt_300m_recipe_numbers():
+    rt = OptimConfig(lr=3e-3, min_lr=3e-4)
+    cfg = ScheduleConfig(kind="warmup_cosine", warmup_steps=10_000, warmup_start=0.1)
+    cfg.validate(25_000)
+    lr = lambda s: lr_at(s, 25_000, rt, cfg)  # noqa: E731
+    assert lr(0) == 0.1 * 3e-3 and lr(0) == pytest.approx(3e-4, rel=1e-15)
+    assert lr(1) == pytest.approx(3e-3 * (0.1 + 0.9 / 10_000), rel=1e-15)
+    assert lr(5_000) == pytest.approx(1.65e-3, rel=1e-15)
+    assert lr(9_999) == pytest.approx(3e-3 - 2.7e-3 / 10_000, rel=1e-14) and lr(10_000) == 3e-3
+    assert lr(17_500) == pytest.approx(1.65e-3, rel=1e-14)  # halfway through the 15,000 cosine steps
+    assert lr(20_000) == pytest.approx(3e-4 + 2.7e-3 * (1 + math.cos(math.pi * 2 / 3)) / 2, rel=1e-14)
+    assert lr(20_000) == pytest.approx(9.75e-4, rel=1e-13)
+    assert lr(24_999) == pytest.approx(3e-4 + 2.96088e-11, rel=1e-12) and lr(24_999) > 3e-4
+    assert lr(25_000) == 3e-4 and lr(30_000) == 3e-4
+
+
+def test_warmup_cosine_resumes_and_edge_cases():
+    lrs, cfg = warmup_cosine(60, 24)
+    assert [lr_at(s, 60, OPT, ScheduleConfig(**vars(cfg))) for s in range(37, 60)] == lrs[37:]  # pure in the step
+    assert warmup_cosine(10, 0)[0][0] == OPT.lr  # no warmup: starts at the peak
+    assert warmup_cosine(10, 4, start=0.0)[0][0] == 0.0  # OLMo-core's default: warmup from 0
+    assert warmup_cosine(10, 4, start=1.0)[0][:5] == [OPT.lr] * 5  # no ramp
+    one = warmup_cosine(10, 9)[0]  # a single post-warmup step: the peak, then min_lr past the end
+    assert one[9] == OPT.lr and lr_at(10, 10, OPT, ScheduleConfig("warmup_cosine", 9, warmup_start=0.1)) == OPT.min_lr
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 400), warmup_frac=st.floats(0, 0.99), start=st.floats(0, 1),
+       min_frac=st.floats(0, 1), lr=st.floats(1e-6, 1e-1))
+def test_warmup_cosine_properties(total, warmup_frac, start, min_frac, lr):
+    optim = OptimConfig(lr=lr, min_lr=lr * min_frac)
+    warmup = int(warmup_frac * total)
+    lrs, cfg = warmup_cosine(total, warmup, start, optim)
+    assert all(optim.min_lr <= x <= lr for x in lrs[warmup:]) and all(0 <= x <= lr for x in lrs)
+    assert lrs[0] == (lr * start if warmup else lr)
+    assert all(a <= b for a, b in zip(lrs[: warmup + 1], lrs[1 : warmup + 1]))  # warmup rises to the peak
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :]))  # then never rises
+    assert lr_at(total, total, optim, cfg) == optim.min_lr
+
+
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        ({"warmup_start": 1.5}, "schedule.warmup_start must be a fraction of optim.lr in [0, 1] with "
+                                "schedule.kind=warmup_cosine, got 1.5"),
+        ({"warmup_start": -0.1}, "got -0.1"),
+        ({"warmup_start": math.nan}, "got nan"),
+        ({"warmup_start": True}, "got True"),
+        ({"warmup_steps": 100}, "schedule.warmup_steps must be an integer in [0, total_steps=100)"),
+        ({"kind": "cosine"}, "schedule.warmup_start is used by schedule.kind=warmup_cosine only; set it to 0 with "
+                             "schedule.kind=cosine, got 0.1"),
+        ({"kind": "wsd"}, "schedule.warmup_start is used by schedule.kind=warmup_cosine only"),
+        ({"kind": "constant"}, "schedule.warmup_start is used by schedule.kind=warmup_cosine only"),
+        ({"kind": "wsd_tokens", "decay_tokens": 640}, "schedule.warmup_start is used by schedule.kind=warmup_cosine"),
+    ],
+)
+def test_warmup_cosine_validation_names_the_field_in_one_line(changes, says):
+    cfg = ScheduleConfig(**{"kind": "warmup_cosine", "warmup_steps": 40, "warmup_start": 0.1, **changes})
+    with pytest.raises(ValueError) as err:
+        cfg.validate(100, 64)
+    msg = str(err.value)
+    assert msg.startswith("schedule.warmup_") and says in msg and "\n" not in msg
