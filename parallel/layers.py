@@ -22,7 +22,10 @@ from torch import Tensor, nn
 from parallel.mesh import layout
 
 
-def _normal(std: float):
+def _normal(std: float, trunc: float = 0.0):
+    """Initialiser N(0, std^2), truncated at +-trunc * std when trunc > 0 (OLMo's "mitchell" init)."""
+    if trunc:
+        return lambda w: nn.init.trunc_normal_(w, mean=0.0, std=std, a=-trunc * std, b=trunc * std)
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
 
@@ -47,15 +50,15 @@ class ColumnLinear(nn.Linear):
         return super().__new__(cls)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02,
-                 stacked: int = 1):
+                 stacked: int = 1, trunc: float = 0.0):
         super().__init__(in_features, out_features, bias=bias)
-        self.init_std = init_std
+        self.init_std, self.trunc = init_std, trunc
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         if not hasattr(self, "init_std"):  # nn.Linear.__init__ calls this before init_std exists
             return
-        nn.init.normal_(self.weight, mean=0.0, std=self.init_std)
+        _normal(self.init_std, self.trunc)(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -105,21 +108,23 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """(x - mean) / std * weight + bias in float32 (GPT-2's norm; the CRT paper's "LN"). Marks its
-    weight and bias `sequence_parallel` under SP, like RMSNorm."""
+    """(x - mean) / std * weight + bias in float32 (GPT-2's norm; the CRT paper's "LN"); bias=False
+    keeps the gain only (OLMo's default). Marks its parameters `sequence_parallel` under SP, like RMSNorm."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, bias: bool = True):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         lay = layout()
         if lay.sp and lay.tp > 1:
-            self.weight.sequence_parallel = self.bias.sequence_parallel = True
+            for p in self.parameters():
+                p.sequence_parallel = True
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = _at_least_fp32(x)
-        y = F.layer_norm(x32, x.shape[-1:], self.weight.to(x32.dtype), self.bias.to(x32.dtype), self.eps)
+        bias = None if self.bias is None else self.bias.to(x32.dtype)
+        y = F.layer_norm(x32, x.shape[-1:], self.weight.to(x32.dtype), bias, self.eps)
         return y.to(x.dtype)
 
 
@@ -298,9 +303,9 @@ def _megatron_classes() -> dict[str, type]:
 
 
 def _megatron_linear(row: bool, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02,
-                     stacked: int = 1) -> nn.Module:
+                     stacked: int = 1, trunc: float = 0.0) -> nn.Module:
     lay, classes = layout(), _megatron_classes()
-    kw = dict(config=_model_parallel_config(), init_method=_normal(init_std), bias=bias, tp_group=lay.tp_group)
+    kw = dict(config=_model_parallel_config(), init_method=_normal(init_std, trunc), bias=bias, tp_group=lay.tp_group)
     if row:
         if stacked != 1:
             raise ValueError("RowLinear does not take `stacked`: its input, not its output, is split")

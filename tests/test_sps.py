@@ -137,7 +137,7 @@ def _trunk_all_slots(model, tokens, noise_at=None, seed=0):
         handle = model.embed.register_forward_hook(hook)
     try:
         with torch.no_grad():
-            return model.trunk(slots, positions, model.slot_mask(T, None))
+            return model.body(slots, positions, model.slot_mask(T, None))
     finally:
         if handle:
             handle.remove()
@@ -256,7 +256,7 @@ def test_T6_the_de_interleaved_layout_equals_the_interleaved_definition(variant)
     inter = torch.stack([tokens, torch.full_like(tokens, PREDICT)], 2).flatten(1)  # x_1, ρ_1, x_2, ...
     positions = torch.arange(T).repeat_interleave(2).expand(B, 2 * T)
     with torch.no_grad():
-        h = model.trunk(inter, positions, model.slot_mask(T, doc, interleaved=True))
+        h = model.body(inter, positions, model.slot_mask(T, doc, interleaved=True))
         want = model.head.logits(model.norm(h[:, model.cfg.readout::2]))
         got = model.head.logits(model._hidden(tokens, torch.arange(T).expand(B, T), doc))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
@@ -318,7 +318,7 @@ def test_T8_variant_identities():
     delayed, reverse = model_of(variant="delayed_state", sps_window=2), model_of(variant="reverse_sps", sps_window=2)
     positions = torch.arange(T).expand(2, T)
     with torch.no_grad():
-        h = delayed.trunk(delayed.slots(tokens), positions.repeat(1, 2), delayed.slot_mask(T, None))
+        h = delayed.body(delayed.slots(tokens), positions.repeat(1, 2), delayed.slot_mask(T, None))
         torch.testing.assert_close(reverse.head.logits(reverse.norm(h[:, :T])), _logits(reverse, tokens), rtol=0, atol=0)
     assert not torch.equal(_logits(reverse, tokens), _logits(delayed, tokens))
 
@@ -333,8 +333,8 @@ def test_section8_at_w0_the_x_stream_is_standard():
     tokens, T = tokens_of(T=15), 15
     positions = torch.arange(T).expand(2, T)
     with torch.no_grad():
-        x_stream = sps.trunk(sps.slots(tokens), positions.repeat(1, 2), sps.slot_mask(T, None))[:, :T]
-        standard = base.trunk(tokens, positions, base.mask(None))
+        x_stream = sps.body(sps.slots(tokens), positions.repeat(1, 2), sps.slot_mask(T, None))[:, :T]
+        standard = base.body(tokens, positions, base.mask(None))
     torch.testing.assert_close(x_stream, standard, rtol=0, atol=1e-12)
 
 

@@ -31,7 +31,8 @@ from torch.nn import functional as F
 from kernels.attention import Mask, attention
 from parallel.layers import ColumnLinear, LayerNorm, RMSNorm, RowLinear, local_heads, refuse_under_tp
 
-NORMS = ("rms", "layer")
+NORMS = ("rms", "layer", "layer_nobias")
+INITS = ("normal", "mitchell")
 MLPS = ("swiglu", "gelu")
 QK_NORMS = ("none", "head", "full")
 POSITIONS = ("rope", "alibi", "none")
@@ -43,7 +44,7 @@ class BlockOptions:
     n_heads: int
     kv_heads: int  # key/value heads (grouped-query attention: fewer than n_heads, dividing it)
     ffn: int  # hidden width of the MLP
-    norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with bias)
+    norm: str = "rms"  # rms (RMSNorm) | layer (LayerNorm with bias) | layer_nobias (gain only, OLMo's)
     norm_eps: float = 1e-6
     mlp: str = "swiglu"  # swiglu (gate, up, down) | gelu (fc1, fc2)
     bias: bool = False  # biases on every linear of the block
@@ -55,6 +56,11 @@ class BlockOptions:
     # effective depth (block applications per token): output projections start at init_std / sqrt(2 depth)
     depth: int = 1
     scale_ffn_out: bool = False  # the MLP's output layer scaled like the attention's (GPT-2) or not (Llama/SPS)
+    # normal: N(0, init_std) and the output layers as above; mitchell (OLMo's, the RT paper's): every linear
+    # N(0, 1 / fan_in) truncated at 3 sigma, the two output layers 1 / (2 fan_in (layer + 1)) in variance
+    init: str = "normal"
+    layer: int = 0  # this block's index (0-based), for the mitchell init
+    residual_scale: float = 1.0  # each sublayer's output is multiplied by it before the residual add
 
     @property
     def head_dim(self) -> int:
@@ -64,9 +70,25 @@ class BlockOptions:
     def out_std(self) -> float:
         return self.init_std / math.sqrt(2 * self.depth)
 
+    @property
+    def trunc(self) -> float:
+        return 3.0 if self.init == "mitchell" else 0.0
+
+    def in_std(self, fan_in: int) -> float:
+        """The init std of a linear reading fan_in features."""
+        return 1.0 / math.sqrt(fan_in) if self.init == "mitchell" else self.init_std
+
+    def output_std(self, fan_in: int, scaled: bool = True) -> float:
+        """The init std of an output layer (attention projection, MLP down) reading fan_in features;
+        `scaled` False: the normal init's unscaled MLP output (init_std)."""
+        if self.init == "mitchell":
+            return 1.0 / math.sqrt(2 * fan_in * (self.layer + 1))
+        return self.out_std if scaled else self.init_std
+
     def validate(self) -> None:
         for name, value, allowed in (("norm", self.norm, NORMS), ("mlp", self.mlp, MLPS),
-                                     ("qk_norm", self.qk_norm, QK_NORMS), ("positions", self.positions, POSITIONS)):
+                                     ("qk_norm", self.qk_norm, QK_NORMS), ("positions", self.positions, POSITIONS),
+                                     ("init", self.init, INITS)):
             if value not in allowed:
                 raise ValueError(f"block option {name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.positions == "rope" and self.head_dim % 2:
@@ -89,7 +111,7 @@ class Attend:
 
 
 def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
-    return RMSNorm(dim, eps) if kind == "rms" else LayerNorm(dim, eps)
+    return RMSNorm(dim, eps) if kind == "rms" else LayerNorm(dim, eps, bias=kind == "layer")
 
 
 def dropout(p: float) -> nn.Module:
@@ -157,10 +179,10 @@ class Attention(nn.Module):
         d, H, H_kv, Dh = o.d_model, o.n_heads, o.kv_heads, o.head_dim
         # q, then k | v. Created in this order, they draw from the generator what the fused q | k | v
         # projection they replaced did when d_model^2 is a multiple of 16 (normal_ fills blocks of 16).
-        self.q = ColumnLinear(d, H * Dh, o.bias, init_std=o.init_std)
+        self.q = ColumnLinear(d, H * Dh, o.bias, init_std=o.in_std(d), trunc=o.trunc)
         if not cross:  # k | v stacked: TP gives every rank whole heads of both
-            self.kv = ColumnLinear(d, 2 * H_kv * Dh, o.bias, init_std=o.init_std, stacked=2)
-        self.proj = RowLinear(H * Dh, d, o.bias, init_std=o.out_std)
+            self.kv = ColumnLinear(d, 2 * H_kv * Dh, o.bias, init_std=o.in_std(d), stacked=2, trunc=o.trunc)
+        self.proj = RowLinear(H * Dh, d, o.bias, init_std=o.output_std(H * Dh), trunc=o.trunc)
         if o.qk_norm != "none":
             # a weight shared by heads that TP splits over ranks (head) or statistics over every head (full)
             refuse_under_tp(f"QK-norm ({o.qk_norm})", "its norm spans heads that tensor parallelism splits")
@@ -178,48 +200,58 @@ class Attention(nn.Module):
             x = norm(x)
         return x.transpose(1, 2)
 
-    def forward(self, x: Tensor, a: Attend, kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        # Shapes come from the projection's output: under tensor/sequence parallelism it holds this
-        # rank's heads and the whole sequence while x may hold a slice of the sequence.
+    def queries(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """[B, T, d] -> q [B, H, T, Dh]: projected, QK-normed, rotated when the block uses RoPE."""
         if self.qk_norm == "none":
             q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
-            if kv is None:
-                k, v = self.kv(x).unflatten(-1, (2, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
         else:
             q = self._heads(self.q(x), self.q_norm)
-            if kv is None:
-                k, v = self.kv(x).unflatten(-1, (2, -1)).unbind(-2)
-                k, v = self._heads(k, self.k_norm), self._heads(v, None)
-        if kv is not None:
-            k, v = kv
-        if self.positions == "rope":
-            q = apply_rope(q, *a.rope)
-            if kv is None:
-                k = apply_rope(k, *a.rope)
-        offset = 0
-        if a.cache is not None and kv is None:  # decode: everything cached plus, causally, the new tokens
-            k, v, offset = a.cache.extend(a.slot, k, v)  # a windowed cache may hold only the last keys
+        return apply_rope(q, *rope) if self.positions == "rope" else q
+
+    def keys(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """[B, T, d] -> k, v [B, H_kv, T, Dh]: projected, k QK-normed and rotated as the queries are."""
+        if self.qk_norm == "none":
+            k, v = self.kv(x).unflatten(-1, (2, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
+        else:
+            k, v = self.kv(x).unflatten(-1, (2, -1)).unbind(-2)
+            k, v = self._heads(k, self.k_norm), self._heads(v, None)
+        return (apply_rope(k, *rope) if self.positions == "rope" else k), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, a: Attend, offset: int = 0) -> Tensor:
+        """The attention of q over k, v under a.mask, through the output projection: [B, Tq, d]."""
         y = attention(q, k, v, a.mask, offset, dropout_p=self.dropout if self.training else 0.0,
                       alibi_slopes=self.alibi if self.positions == "alibi" else None)
         return self.proj(y.transpose(1, 2).flatten(2))
 
+    def forward(self, x: Tensor, a: Attend, kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        # Shapes come from the projection's output: under tensor/sequence parallelism it holds this
+        # rank's heads and the whole sequence while x may hold a slice of the sequence.
+        q = self.queries(x, a.rope)
+        k, v = self.keys(x, a.rope) if kv is None else kv
+        offset = 0
+        if a.cache is not None and kv is None:  # decode: everything cached plus, causally, the new tokens
+            k, v, offset = a.cache.extend(a.slot, k, v)  # a windowed cache may hold only the last keys
+        return self.attend(q, k, v, a, offset)
+
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_in: int, hidden: int, d_out: int, init_std: float, out_std: float, bias: bool = False):
+    def __init__(self, d_in: int, hidden: int, d_out: int, init_std: float, out_std: float, bias: bool = False,
+                 trunc: float = 0.0):
         super().__init__()
-        self.gate = ColumnLinear(d_in, hidden, bias, init_std=init_std)
-        self.up = ColumnLinear(d_in, hidden, bias, init_std=init_std)
-        self.down = RowLinear(hidden, d_out, bias, init_std=out_std)
+        self.gate = ColumnLinear(d_in, hidden, bias, init_std=init_std, trunc=trunc)
+        self.up = ColumnLinear(d_in, hidden, bias, init_std=init_std, trunc=trunc)
+        self.down = RowLinear(hidden, d_out, bias, init_std=out_std, trunc=trunc)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class GeluMLP(nn.Module):
-    def __init__(self, d_in: int, hidden: int, d_out: int, init_std: float, out_std: float, bias: bool = False):
+    def __init__(self, d_in: int, hidden: int, d_out: int, init_std: float, out_std: float, bias: bool = False,
+                 trunc: float = 0.0):
         super().__init__()
-        self.fc1 = ColumnLinear(d_in, hidden, bias, init_std=init_std)
-        self.fc2 = RowLinear(hidden, d_out, bias, init_std=out_std)
+        self.fc1 = ColumnLinear(d_in, hidden, bias, init_std=init_std, trunc=trunc)
+        self.fc2 = RowLinear(hidden, d_out, bias, init_std=out_std, trunc=trunc)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -227,12 +259,13 @@ class GeluMLP(nn.Module):
 
 def mlp(o: BlockOptions, d_in: int | None = None, d_out: int | None = None, out_std: float | None = None) -> nn.Module:
     """The block family's MLP (o.mlp) from d_in (default d_model) through o.ffn to d_out (default
-    d_model); its output layer starts at out_std (default: o.out_std if o.scale_ffn_out else init_std;
-    0 gives a zero output layer)."""
+    d_model); its output layer starts at out_std (default: o.out_std if o.scale_ffn_out else init_std,
+    or the mitchell init's; 0 gives a zero output layer)."""
     if out_std is None:
-        out_std = o.out_std if o.scale_ffn_out else o.init_std
+        out_std = o.output_std(o.ffn, scaled=o.scale_ffn_out)
     cls = SwiGLU if o.mlp == "swiglu" else GeluMLP
-    return cls(d_in or o.d_model, o.ffn, d_out or o.d_model, o.init_std, out_std, o.bias)
+    d_in = d_in or o.d_model
+    return cls(d_in, o.ffn, d_out or o.d_model, o.in_std(d_in), out_std, o.bias, o.trunc)
 
 
 class Block(nn.Module):
@@ -245,8 +278,12 @@ class Block(nn.Module):
         self.ffn_norm = make_norm(o.norm, o.d_model, o.norm_eps)
         self.ffn = mlp(o)
         self.drop = dropout(o.dropout)
+        self.scale = o.residual_scale
 
     def forward(self, h: Tensor, a: Attend) -> Tensor:
+        if self.scale != 1.0:  # (a multiplication by 1 would be exact, but is work)
+            h = h + self.scale * self.drop(self.attn(self.attn_norm(h), a))
+            return h + self.scale * self.drop(self.ffn(self.ffn_norm(h)))
         h = h + self.drop(self.attn(self.attn_norm(h), a))
         return h + self.drop(self.ffn(self.ffn_norm(h)))
 

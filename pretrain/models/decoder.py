@@ -162,12 +162,12 @@ class Decoder(nn.Module):
                cache: KVCache | None = None, mask: Mask | None = None) -> Tensor:
         """Final-normed hidden states [B, T, d] of tokens [B, T] at positions [B, T], under `mask`
         (default: self.mask(doc_ids))."""
-        h = self.trunk(tokens, positions, self.mask(doc_ids) if mask is None else mask, cache)
+        h = self.body(tokens, positions, self.mask(doc_ids) if mask is None else mask, cache)
         if cache is not None:
             cache.length += tokens.shape[1]
         return self.norm(h)
 
-    def trunk(self, tokens: Tensor, positions: Tensor, mask: Mask, cache=None) -> Tensor:
+    def body(self, tokens: Tensor, positions: Tensor, mask: Mask, cache=None) -> Tensor:
         """Hidden states [B, T, d] after the last block, before the final norm (a model that reads
         out only some positions norms those alone)."""
         a = self.attend(positions, mask, cache)

@@ -277,7 +277,7 @@ class SPS(Decoder):
 
     def _hidden(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
         T = tokens.shape[1]
-        h = self.trunk(self.slots(tokens), positions.repeat(1, 2), self.slot_mask(T, doc_ids))
+        h = self.body(self.slots(tokens), positions.repeat(1, 2), self.slot_mask(T, doc_ids))
         return self.readout(h, T)
 
     def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
@@ -302,7 +302,7 @@ class SPS(Decoder):
             raise ValueError(f"generation would exceed model.max_seq_len {state.max_len}")
         positions = torch.arange(state.length, state.length + n, device=tokens.device).repeat(2).expand(B, 2 * n)
         mask = state.begin(tokens, self.cfg.eos_id)
-        h = self.trunk(self.slots(tokens), positions, mask, state)
+        h = self.body(self.slots(tokens), positions, mask, state)
         state.length += n
         r = self.cfg.readout
         return self.head.logits(self.norm(h[:, r * n:(r + 1) * n])), state
