@@ -1,0 +1,212 @@
+"""The Recurrent Transformer (spec-003; Oncescu et al. 2026), and the paper's Transformer rows.
+
+In every RT layer the key/value pair position i shows later positions is computed from its output z_i
+of the same layer, not from its input x_i; position i itself attends to a temporary pair computed from
+x_i with the same weights (spec §2.3, in the code's form, A7):
+
+    q, k~, v~ = pre(x_i)            norm, q | k v projections, QK-norm, (RoPE)
+    a_i       = attention of q over the persistent pairs of positions < i and the temporary pair
+    z_i       = post(x_i, a_i)      h = x + r W_O a;  z = h + r MLP(norm(h))   (r: residual_multiplier)
+    k_i, v_i  = kv(z_i)             the same norm, projection and QK-norm as pre, on z_i
+
+No parameter is added over the Transformer of the same shape; `model.recurrent=false` is that
+Transformer (the paper's "T" rows), built from the same shared block with the same parameter names.
+Training and prefill run the exact dyadic tile schedule with its custom backward
+(kernels/rt_prefill: the "tiled" path; "naive" is the definition); decode is a KV-cache decode with one
+extra K/V projection per token and layer (spec §2.5), the cache holding the persistent pairs.
+
+The choices the paper leaves open are config fields (spec §7): `norm` rms | layer (A1; layer is the
+released configs' gain-only LayerNorm), `qk_norm` full | head (A2), `positions` alibi | rope (A6),
+`residual_multiplier` (A4; 1 as in the code, 1/sqrt(L) for the paper's equations), `leaf_block` (A8:
+an exact variant of the schedule), `init` mitchell (the code's) | normal.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from kernels.rt_prefill import rt_prefill, schedule, tiled
+from pretrain.models.base import EVAL
+from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp
+from pretrain.models.decoder import Decoder, DecoderConfig, tp_dims
+from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+
+
+@dataclass
+class RTConfig(DecoderConfig):
+    arch: str = "rt"
+    recurrent: bool = True  # false: the paper's Transformer rows (the same blocks, attending to their inputs)
+    vocab_size: int = 32128
+    n_layers: int = 12
+    d_model: int = 1024
+    n_heads: int = 16
+    ffn_hidden: int = 0  # 0: 4 d_model (a GELU MLP)
+    max_seq_len: int = 512
+    norm: str = "rms"  # rms | layer (A1: the released configs' mean-centred LayerNorm, gain only)
+    qk_norm: str = "full"  # full (over all heads, the code's) | head (A2)
+    positions: str = "alibi"  # alibi | rope (A6; RoPE applied after QK-norm)
+    alibi_max: float = 8.0
+    residual_multiplier: float = 1.0  # r in h = x + r W_O a, z = h + r MLP(norm(h)) (A4)
+    leaf_block: int = 1  # the tile schedule's leaf (A8, spec §3.8): any power of two, the same values
+    init: str = "mitchell"  # mitchell (OLMo's, the code's) | normal (N(0, init_std), depth-scaled outputs)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.d_model
+
+    def block_options(self, depth: int) -> BlockOptions:
+        return replace(super().block_options(depth), norm="layer_nobias" if self.norm == "layer" else "rms",
+                       mlp="gelu", qk_norm=self.qk_norm, positions=self.positions, alibi_max=self.alibi_max,
+                       init=self.init, residual_scale=self.residual_multiplier, scale_ffn_out=True)
+
+    def validate(self) -> None:
+        super().validate()
+        for name, value, allowed in (("norm", self.norm, ("rms", "layer")), ("qk_norm", self.qk_norm, ("full", "head")),
+                                     ("positions", self.positions, ("alibi", "rope")),
+                                     ("init", self.init, ("mitchell", "normal"))):
+            if value not in allowed:
+                raise ValueError(f"model.{name} must be one of {', '.join(allowed)}, got {value!r}")
+        schedule.check_leaf(self.leaf_block)
+        if self.n_kv_heads and self.n_kv_heads != self.n_heads:
+            raise ValueError("model.n_kv_heads: the RT's persistent and temporary pairs share one projection with "
+                             "as many key/value heads as query heads (spec §2.3); set model.n_kv_heads=0")
+        if self.document_mask:
+            raise ValueError("model.document_mask=true is not supported by RT: the paper packs across documents and "
+                             "its recurrence state flows over EOS (spec A17); the tile schedule has no segment masks")
+        if self.window:
+            raise ValueError("model.window is not supported by RT (every position reads all earlier persistent pairs)")
+        if self.residual_multiplier <= 0:
+            raise ValueError(f"model.residual_multiplier must be positive, got {self.residual_multiplier}")
+
+    def validate_run(self, run) -> None:
+        if self.recurrent and run.parallel.recompute != "none":
+            raise ValueError(f"parallel.recompute={run.parallel.recompute} adds nothing to RT: its tiled backward already "
+                             "keeps only each layer's input and output and recomputes the rest (spec §3.5-3.6), and "
+                             "checkpointing a layer would rerun its sequential forward; set parallel.recompute=none")
+        if run.data.reset_positions:
+            raise ValueError("data.reset_positions=true restarts positions at each document, but RT's recurrence runs "
+                             "across documents (spec A17); set data.reset_positions=false")
+
+
+class LayerView:
+    """One RT layer as kernels/rt_prefill sees it (pre, post, kv, scale, slopes, parameters), with the
+    RoPE tables of the positions being computed (base: the position of their first)."""
+
+    def __init__(self, block: "RTBlock", rope: tuple[Tensor, Tensor] | None, base: int):
+        self.block, self.rope, self.base = block, rope, base
+        attn = block.attn
+        self.scale = 1.0 / math.sqrt(attn.head_dim)
+        self.slopes = attn.alibi if attn.positions == "alibi" else None
+
+    def _tables(self, offset: int, n: int):
+        if self.rope is None:
+            return None
+        i = offset - self.base
+        return self.rope[0][:, :, i:i + n], self.rope[1][:, :, i:i + n]
+
+    def pre(self, x: Tensor, offset: int):
+        b = self.block
+        xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
+        return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
+
+    def kv(self, z: Tensor, offset: int):
+        b = self.block
+        return b.attn.keys(b.attn_norm(z), self._tables(offset, z.shape[1]))
+
+    def post(self, x: Tensor, a: Tensor) -> Tensor:
+        b = self.block
+        h = x + b.scale * b.attn.proj(a.transpose(1, 2).flatten(2))
+        return h + b.scale * b.ffn(b.ffn_norm(h))
+
+    def parameters(self):
+        return self.block.parameters()
+
+
+class RTBlock(nn.Module):
+    """An RT layer: the shared block's modules (same names as the Transformer's Block), applied by the
+    tile schedule in training and prefill, and one position at a time against the cache in decode."""
+
+    def __init__(self, o: BlockOptions, leaf: int):
+        super().__init__()
+        self.attn_norm = make_norm(o.norm, o.d_model, o.norm_eps)
+        self.attn = Attention(o)
+        self.ffn_norm = make_norm(o.norm, o.d_model, o.norm_eps)
+        self.ffn = mlp(o)
+        self.scale = o.residual_scale
+        self.leaf = leaf
+
+    def forward(self, h: Tensor, a: Attend) -> Tensor:
+        cache = a.cache
+        offset = 0 if cache is None else cache.length
+        view = LayerView(self, a.rope, offset)
+        if cache is None:
+            return rt_prefill(h, view, self.leaf, 0)
+        n = h.shape[1]
+        prefix = (cache.k[a.slot][:, :, :offset], cache.v[a.slot][:, :, :offset])
+        z, k, v, _ = tiled.forward(h, view, self.leaf, offset, prefix)  # exact; decode needs no gradient
+        cache.k[a.slot][:, :, offset:offset + n] = k
+        cache.v[a.slot][:, :, offset:offset + n] = v
+        return z
+
+
+class RT(Decoder):
+    """embed -> L RT layers (or Transformer blocks) -> norm -> untied head."""
+
+    def __init__(self, cfg: RTConfig):
+        super().__init__(cfg)
+        L = cfg.n_layers
+        if cfg.recurrent:
+            self.blocks = nn.ModuleList(RTBlock(replace(cfg.block_options(L), layer=i), cfg.leaf_block) for i in range(L))
+        else:
+            self.blocks = nn.ModuleList(Block(replace(cfg.block_options(L), layer=i)) for i in range(L))
+        if cfg.init == "mitchell":  # the embedding and the untied head: N(0, 1/d), truncated at 3 sigma
+            std = 1.0 / math.sqrt(cfg.d_model)
+            for w in {id(p): p for p in (self.embed.weight, self.head.weight)}.values():
+                nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+
+    def applications(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
+        """Mean next-token loss over loss_mask; positions run over the packed sample (no resets)."""
+        tokens = batch.tokens
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        h = self.hidden(tokens, positions)
+        return self.head.loss(h, batch.labels, batch.loss_mask), {}
+
+
+def flops_per_token(cfg: RTConfig, seq_len: int, ctx=None) -> float:
+    """Training FLOPs per token (FLOPS_FORMULA)."""
+    d, L, f = cfg.d_model, cfg.n_layers, cfg.ffn
+    projections = (6 if cfg.recurrent else 4) * d * d  # q, o, and k|v once (T) or twice: from x and from z (RT)
+    return 6.0 * (L * (projections + 2 * d * f) + cfg.vocab_size * d) + 12.0 * L * d * seq_len
+
+
+FLOPS_FORMULA = ("6 * (L * (p d^2 + 2 d f) + V d) + 12 * L * d * T: forward x 3, p = 6 for RT (q, the output, and the "
+                 "key/value projection twice: the temporary pair from x, the persistent one from z; spec §2.5: +1/6 "
+                 "of the d^2 terms) or 4 for the Transformer rows, a GELU MLP of width f, the untied head, attention at "
+                 "length T (L layers, width d, vocabulary V)")
+
+
+SPEC = register(ArchSpec(
+    name="rt",
+    config_cls=RTConfig,
+    build=RT,
+    flops_per_token=flops_per_token,
+    flops_formula=FLOPS_FORMULA,
+    decode=DecodeRelation("exact"),
+    supports=Support(tp=False, sp=False, zero_stages=(0, 1, 2), reasons={
+        "zero": "ZeRO-3 partitions parameters and gathers them around each module's forward, but RT's custom backward "
+                "runs the layer's modules again inside the backward pass, on parameters ZeRO-3 has released",
+        "tp": "RT's output projection and MLP run once per position inside the sequential loop, so tensor "
+              "parallelism would cost two all-reduces per position and layer (spec §3.8)",
+        "sp": "the recurrence runs over the whole sequence: a sequence slice cannot be computed without the "
+              "previous slice's outputs (spec §3.8)"}),
+    tp_dims=tp_dims,
+    recompute_units=lambda model: list(model.blocks),  # the Transformer rows only (validate_run refuses RT's)
+))
