@@ -65,12 +65,14 @@ class RTConfig(DecoderConfig):
                        init=self.init, residual_scale=self.residual_multiplier, scale_ffn_out=True)
 
     def validate(self) -> None:
-        super().validate()
         for name, value, allowed in (("norm", self.norm, ("rms", "layer")), ("qk_norm", self.qk_norm, ("full", "head")),
                                      ("positions", self.positions, ("alibi", "rope")),
                                      ("init", self.init, ("mitchell", "normal"))):
-            if value not in allowed:
-                raise ValueError(f"model.{name} must be one of {', '.join(allowed)}, got {value!r}")
+            if value not in allowed:  # before the shared blocks' own check, which names its options, not ours
+                raise ValueError(f"model.{name} must be one of {', '.join(allowed)} (one position scheme: ALiBi and "
+                                 f"RoPE do not combine), got {value!r}" if name == "positions" else
+                                 f"model.{name} must be one of {', '.join(allowed)}, got {value!r}")
+        super().validate()
         schedule.check_leaf(self.leaf_block)
         if self.n_kv_heads and self.n_kv_heads != self.n_heads:
             raise ValueError("model.n_kv_heads: the RT's persistent and temporary pairs share one projection with "

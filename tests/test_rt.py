@@ -1,0 +1,289 @@
+"""The Recurrent Transformer's own mechanism (spec-003 §6 and §8): the tile schedule against the naive
+definition (values in float64 and float32, gradients of the custom backward against autograd through
+the naive loop), the schedule's coverage and order, keys moved, decode against prefill, the first
+position against the Transformer, the transformer-emulation theorem (§6.7), bad input, a short run.
+
+The registry-wide tests (tests/test_registry.py, tests/test_layout_matrix.py, tests/test_export.py)
+cover streaming decode, generation, the golden curve, kill-and-resume, the layouts and export.
+"""
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.rt_prefill import reference, rt_prefill, schedule, tiled
+from pretrain.config import ConfigError, load_config
+from pretrain.models.rt import RT, LayerView, RTConfig, flops_per_token
+
+V = 64
+
+
+def model_of(dtype=torch.float64, seed=0, **kw) -> RT:
+    values = dict(vocab_size=V, d_model=16, n_layers=2, n_heads=4, max_seq_len=128)
+    values.update(kw)
+    torch.manual_seed(seed)
+    model = RT(RTConfig(**values)).to(dtype)
+    with torch.no_grad():  # gains away from one, so a norm applied to the wrong tensor shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def layer_of(model: RT, N: int, i: int = 0) -> LayerView:
+    rope = model.rope.at(torch.arange(N)[None]) if model.rope is not None else None
+    return LayerView(model.blocks[i], rope, 0)
+
+
+# -- the schedule -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("leaf", [1, 2, 4, 16])
+def test_the_schedule_covers_every_pair_once_in_order_for_every_N_up_to_300(leaf):
+    for N in range(1, 301):
+        seen = torch.zeros(N, N, dtype=torch.int32)
+        for t in range(N):  # forward: leaf keys just before query t is finalised, then the tile after step t
+            k0, k1 = schedule.leaf_keys(t, leaf)
+            seen[t, k0:k1] += 1
+        for t, k0, k1, q1 in schedule.tiles(N, leaf):
+            assert k1 == t + 1 and q1 > k1  # keys revealed by step t, queries not finalised yet
+            seen[k1:q1, k0:k1] += 1
+        assert torch.equal(seen, torch.ones(N, N, dtype=torch.int32).tril(-1)), N
+        back = torch.zeros(N, N, dtype=torch.int32)  # backward: the pieces whose queries start at t
+        for t in range(N):
+            for a0, a1, k0, k1 in tiled._pieces(N, leaf, t):
+                assert a0 == t and k1 <= t  # every query's gradient known, every key still accumulating
+                back[a0:a1, k0:k1] += 1
+        assert torch.equal(back, seen), N
+
+
+def test_keys_moved_counts():
+    for N in (256, 512, 1024, 2048):
+        assert schedule.keys_moved(N) == N // 2 * int(math.log2(N))
+    assert schedule.keys_moved(512) == 2304 and schedule.naive_keys_moved(512) == 130816
+    model = model_of()
+    for N, leaf in itertools.product((1, 2, 7, 16, 33, 64), (1, 2, 4, 16)):
+        view = LayerView(model.blocks[0], None, 0)
+        tiled.KEYS_MOVED[0] = 0
+        with torch.no_grad():
+            tiled.forward(torch.randn(1, N, 16, dtype=torch.float64), view, leaf)
+        want = sum(P for t, k0, k1, _ in schedule.tiles(N, leaf) for P in [k1 - k0])
+        want += sum(t - schedule.leaf_keys(t, leaf)[0] for t in range(N))
+        assert tiled.KEYS_MOVED[0] == schedule.keys_moved(N, leaf) == want, (N, leaf)
+    assert schedule.keys_moved(512, 16) < schedule.keys_moved(512) + 512 * 15
+
+
+# -- values and gradients -----------------------------------------------------------------------------
+SETTINGS = list(itertools.product([1, 3], [1, 4], ["alibi", "rope"], ["rms", "layer"]))  # B, H, positions, norm
+# spec §6.1's lengths: every setting at the short ones, the long ones (the naive loop is slow) at two settings each
+GRID = [(N, *s) for N in (1, 2, 3, 5, 8, 17) for s in SETTINGS]
+GRID += [(N, *SETTINGS[i]) for N, i in ((37, 5), (37, 10), (64, 15), (64, 0), (100, 6), (100, 9))]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_tiled_equals_the_naive_loop_over_the_spec_grid(dtype, tol, grid=GRID):
+    for N, B, H, positions, norm in grid:
+        model = model_of(dtype, n_heads=H, positions=positions, norm=norm, d_model=8 * H)
+        x = torch.randn(B, N, 8 * H, dtype=dtype, generator=torch.Generator().manual_seed(N))
+        view = layer_of(model, N)
+        with torch.no_grad():
+            want = reference.prefill(x, view)
+            for leaf in (1, 4):
+                got = tiled.forward(x, view, leaf)[0]
+                torch.testing.assert_close(got, want, rtol=0, atol=tol, msg=f"{N, B, H, positions, norm, leaf}")
+
+
+@pytest.mark.slow
+def test_tiled_equals_the_naive_loop_over_the_whole_spec_grid():
+    grid = [(N, *s) for N in (1, 2, 3, 5, 8, 17, 37, 64, 100) for s in SETTINGS]
+    test_tiled_equals_the_naive_loop_over_the_spec_grid(torch.float64, 1e-12, grid)
+    test_tiled_equals_the_naive_loop_over_the_spec_grid(torch.float32, 1e-5, grid)
+
+
+@pytest.mark.parametrize("positions,norm,qk_norm,leaf", [("alibi", "rms", "full", 1), ("rope", "layer", "head", 1),
+                                                         ("alibi", "layer", "full", 4), ("rope", "rms", "full", 2)])
+def test_the_custom_backward_equals_autograd_through_the_naive_loop(positions, norm, qk_norm, leaf):
+    model = model_of(positions=positions, norm=norm, qk_norm=qk_norm, residual_multiplier=0.7)
+    N = 37
+    x = torch.randn(3, N, 16, dtype=torch.float64, requires_grad=True)
+    view = layer_of(model, N)
+    params = list(model.blocks[0].parameters())
+    g = torch.randn(3, N, 16, dtype=torch.float64)
+    want = torch.autograd.grad(reference.prefill(x, view), [x, *params], g)
+    z = tiled.prefill(x, view, leaf)
+    assert z.grad_fn is not None and "TiledPrefill" in type(z.grad_fn).__name__
+    got = torch.autograd.grad(z, [x, *params], g)
+    for (name, _), a, b in zip([("x", x)] + list(model.blocks[0].named_parameters()), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_model_trains_through_the_tiled_path_and_matches_the_naive_path():
+    from pretrain.data.batch import collate
+    from kernels import registry
+
+    model = model_of(n_layers=2)
+    raw = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(3))
+    batch = collate((raw.numpy(), torch.zeros_like(raw).numpy()), eod_id=None)
+    grads = {}
+    for path in ("tiled", "naive"):
+        registry.force("rt_prefill", path)
+        try:
+            model.zero_grad()
+            loss, _ = model(batch)
+            loss.backward()
+        finally:
+            registry.force("rt_prefill", None)
+        grads[path] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(grads["tiled"][0], grads["naive"][0], rtol=1e-12, atol=0)
+    for a, b in zip(grads["tiled"][1], grads["naive"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+# -- decode, the Transformer ---------------------------------------------------------------------------
+@pytest.mark.parametrize("positions", ["alibi", "rope"])
+def test_decode_equals_prefill_in_any_chunking(positions):
+    model, tokens = model_of(positions=positions).eval(), torch.randint(0, V, (2, 23))
+    with torch.no_grad():
+        full = model.logits(tokens)
+        for chunks in ((23,), (1,) * 23, (5, 1, 7, 2, 8)):
+            state, pieces, t = model.new_state(2), [], 0
+            for n in chunks:
+                pieces.append(model.step(tokens[:, t:t + n], state)[0])
+                t += n
+            torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-12)
+
+
+def test_the_first_position_is_the_transformer_with_the_same_weights():
+    rt = model_of().eval()
+    transformer = RT(dataclasses.replace(rt.cfg, recurrent=False)).double().eval()
+    transformer.load_state_dict(rt.state_dict())  # the same parameter names: RT adds none
+    tokens = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        a, b = rt.logits(tokens), transformer.logits(tokens)
+    torch.testing.assert_close(a[:, 0], b[:, 0], rtol=0, atol=1e-12)
+    assert (a[:, 1:] - b[:, 1:]).abs().amax() > 1e-3
+
+
+def test_parameter_counts_of_the_paper_rows_and_flops():
+    for (L, d, H), non_embedding in [((12, 1024, 16), 151_045_120), ((6, 1408, 22), 142_772_608),
+                                     ((12, 1408, 22), 285_543_808), ((6, 2048, 32), 302_041_088)]:
+        for recurrent in (True, False):
+            with torch.device("meta"):
+                model = RT(RTConfig(n_layers=L, d_model=d, n_heads=H, recurrent=recurrent))
+            from pretrain.models import count_parameters
+
+            counts = count_parameters(model)
+            assert counts["non_embedding"] == non_embedding and counts["embedding"] == 2 * 32128 * d
+    cfg = RTConfig(n_layers=2, d_model=16, n_heads=4, vocab_size=V)
+    t = dataclasses.replace(cfg, recurrent=False)
+    assert flops_per_token(cfg, 32) - flops_per_token(t, 32) == 6 * 2 * 2 * 16 * 16  # K|V twice: +2 d^2 per layer
+
+
+# -- Theorem 1: a norm-free RT of width 3d' computes a norm-free Transformer of width d' -----------------
+class _NormFreeTransformerLayer:
+    def __init__(self, d, f, gen):
+        w = lambda *s: torch.randn(*s, dtype=torch.float64, generator=gen) / math.sqrt(s[-1])  # noqa: E731
+        self.Wq, self.Wk, self.Wv, self.Wo, self.W1, self.W2 = w(d, d), w(d, d), w(d, d), w(d, d), w(f, d), w(d, f)
+        self.scale = 1 / math.sqrt(d)
+
+    def __call__(self, x):  # x [N, d]
+        q, k, v = x @ self.Wq.T, x @ self.Wk.T, x @ self.Wv.T
+        s = (self.scale * q @ k.T).masked_fill(torch.ones(len(x), len(x), dtype=torch.bool).triu(1), float("-inf"))
+        h = x + (s.softmax(-1) @ v) @ self.Wo.T
+        return h + F.relu(h @ self.W1.T) @ self.W2.T
+
+
+class _EmulatingRTLayer:
+    """The construction of Theorem 1 as a layer the kernels run: blocks carry | live | scratch of width
+    d'; Q, K, V read the carry block (the Transformer layer's input), the output projection writes the
+    scratch, and a ReLU MLP writes the Transformer's output into the live block and clears the scratch.
+    The next layer's carry is this one's live block (the swap is absorbed into its weights)."""
+
+    def __init__(self, t: _NormFreeTransformerLayer, d: int, parity: int):
+        c, l, s = (slice(0, d), slice(d, 2 * d), slice(2 * d, 3 * d))
+        if parity:
+            c, l = l, c
+        D, f = 3 * d, t.W1.shape[0]
+        self.scale, self.slopes = t.scale, None
+        self.read = torch.zeros(d, D, dtype=torch.float64)
+        self.read[:, c] = torch.eye(d, dtype=torch.float64)
+        self.Wq, self.Wk, self.Wv = t.Wq @ self.read, t.Wk @ self.read, t.Wv @ self.read
+        self.Wo = torch.zeros(D, d, dtype=torch.float64)
+        self.Wo[s] = t.Wo
+        # MLP(h) = E_l (W2 relu(W1 u)) + relu(A h) - relu(-A h), u = h_c + h_s, A h = (0, u - h_l, -h_s)
+        A = torch.zeros(D, D, dtype=torch.float64)
+        eye = torch.eye(d, dtype=torch.float64)
+        A[l, c], A[l, s], A[l, l], A[s, s] = eye, eye, -eye, -eye
+        U = torch.zeros(d, D, dtype=torch.float64)
+        U[:, c], U[:, s] = eye, eye
+        self.W1 = torch.cat([t.W1 @ U, A, -A])
+        self.W2 = torch.zeros(D, f + 2 * D, dtype=torch.float64)
+        self.W2[l, :f] = t.W2
+        self.W2[:, f:f + D], self.W2[:, f + D:] = torch.eye(D, dtype=torch.float64), -torch.eye(D, dtype=torch.float64)
+
+    def pre(self, x, offset):
+        return tuple((x @ W.T)[:, None] for W in (self.Wq, self.Wk, self.Wv))
+
+    def kv(self, z, offset):
+        return (z @ self.Wk.T)[:, None], (z @ self.Wv.T)[:, None]
+
+    def post(self, x, a):
+        h = x + a[:, 0] @ self.Wo.T
+        return h + F.relu(h @ self.W1.T) @ self.W2.T
+
+    def parameters(self):
+        return []
+
+
+def test_theorem_1_a_3x_wider_norm_free_rt_computes_the_transformer():
+    d, f, L, N = 5, 7, 3, 11
+    gen = torch.Generator().manual_seed(0)
+    layers = [_NormFreeTransformerLayer(d, f, gen) for _ in range(L)]
+    x = torch.randn(N, d, dtype=torch.float64, generator=gen)
+    want = x
+    for t in layers:
+        want = t(want)
+    h = torch.cat([x, torch.zeros(N, 2 * d, dtype=torch.float64)], -1)[None]
+    for i, t in enumerate(layers):
+        h = rt_prefill(h, _EmulatingRTLayer(t, d, i % 2))
+    live = slice(d, 2 * d) if (L - 1) % 2 == 0 else slice(0, d)
+    torch.testing.assert_close(h[0, :, live], want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(h[0, :, 2 * d:], torch.zeros(N, d, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+# -- bad input, a short run --------------------------------------------------------------------------
+def test_bad_input_is_refused_with_one_sentence():
+    base = ["model.vocab_size=64", "data.train=[]"]
+    cases = [
+        (["data.seq_len=256"], "data.seq_len 256 exceeds model.max_seq_len 128"),
+        (["model.positions=alibi+rope"], "model.positions must be one of alibi, rope (one position scheme"),
+        (["parallel.tp=2"], "parallel.tp=2 is not supported (RT's output projection and MLP run once per position"),
+        (["parallel.sp=true", "parallel.tp=2"], "is not supported"),
+        (["parallel.data_parallel=deepspeed", "parallel.zero_stage=3"], "parallel.zero_stage=3 is not supported (ZeRO-3"),
+        (["model.document_mask=true"], "model.document_mask=true is not supported by RT"),
+        (["parallel.recompute=full"], "parallel.recompute=full adds nothing to RT"),
+        (["model.leaf_block=3"], "the RT leaf block must be a power of two"),
+        (["data.reset_positions=true"], "data.reset_positions=true restarts positions"),
+    ]
+    for extra, message in cases:
+        with pytest.raises((ConfigError, ValueError)) as e:
+            load_config("rt/tiny", base + extra, check_data=False)
+        assert message in str(e.value) and "\n" not in str(e.value), (extra, str(e.value))
+    model = model_of(max_seq_len=8).eval()
+    state = model.new_state(1)
+    with pytest.raises(ValueError, match="exceed model.max_seq_len 8"):
+        model.step(torch.zeros(1, 9, dtype=torch.long), state)
+
+
+def test_a_short_training_run_falls(tmp_path):
+    from pretrain.metrics import read_metrics
+    from pretrain.trainer import Trainer
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov")
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 40, "train.eval_every": 0, "checkpoint.every": 0,
+                                               "optim.lr": 1e-2, "schedule.warmup_steps": 4})
+    Trainer(load_config("rt/tiny", over), log=lambda *_: None).fit()
+    losses = [r["loss"] for r in read_metrics(str(tmp_path / "run")) if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0, losses
