@@ -12,7 +12,8 @@ the attention outputs A tile by tile from the log-sum-exp. Phase 1 walks the pos
 gradient reaching z_t is the upstream one plus what its persistent pair received (complete by then,
 since only later queries read it), the attention gradient g_t follows through post(), and the tiles
 whose queries start at t (the forward's, mirrored) pass gradient to earlier keys and to their queries.
-Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
+A layer may provide its own input gradients of kv and post (vjp_kv, vjp_post: cheaper than an autograd
+graph per position); autograd is used otherwise. Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
 kv() and post() for the input and parameter gradients.
 
 `update_tile` and `tile_grads` are the two per-tile functions a kernel replaces (spec §3.8).
@@ -143,14 +144,21 @@ class TiledPrefill(torch.autograd.Function):
         dqs, G = torch.zeros_like(A), torch.zeros_like(A)
         D = torch.zeros_like(lse)
         gZ_total = torch.empty_like(gZ)
+        vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
         for t in reversed(range(N)):  # phase 1
-            with torch.enable_grad():
-                zt = Z[:, t:t + 1].detach().requires_grad_()
-                k_t, v_t = layer.kv(zt, offset + t)
-                dz = torch.autograd.grad((k_t, v_t), zt, (dK[:, :, t:t + 1].to(k_t.dtype),
-                                                          dV[:, :, t:t + 1].to(v_t.dtype)))[0] + gZ[:, t:t + 1]
-                at = A_in[:, :, t:t + 1].detach().requires_grad_()
-                g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
+            dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
+            if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
+                dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t) + gZ[:, t:t + 1]
+            else:
+                with torch.enable_grad():
+                    zt = Z[:, t:t + 1].detach().requires_grad_()
+                    dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
+            if vjp_post is not None:
+                g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz)
+            else:
+                with torch.enable_grad():
+                    at = A_in[:, :, t:t + 1].detach().requires_grad_()
+                    g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
             gZ_total[:, t:t + 1] = dz
             G[:, :, t:t + 1] = g.to(dtype)
             D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
