@@ -29,11 +29,14 @@ transient, printed as "top tile MB", that shows from N ~ 1024 at d=64, H=4.)
 
 time: at N = --seq, forward and backward timed apart (z = f(x); then z.backward(g) alone), gradients of x
 and of every block parameter, both paths; one warm-up step each, then --rounds rounds alternating the
-order; medians, and the median over rounds of naive / tiled in the same round (the RATIO lines).
-Then one instrumented tiled backward split by phase (spec §3.5: 0 parallel recompute of A from the
-log-sum-exp tile by tile, 1 the reverse loop over positions, 2 the batched VJPs), phase 1 further into
-its per-position kv()/post() recomputation, its per-position torch.autograd.grad calls and its tile
-gradients. --profile adds torch.profiler tables (self CPU time per op) of both backwards.
+order; medians, and the median over rounds of naive / tiled in the same round (the RATIO lines). Where
+the layer has hand-written input gradients (LayerView.vjp_kv / vjp_post, used by the backward's
+sequential phase), a third path "tiled/autograd" hides them, so the backward falls back to
+torch.autograd.grad on a one-position graph per position: their gain, measured the same way.
+Then one instrumented tiled backward per variant split by phase (spec §3.5: 0 parallel recompute of A
+from the log-sum-exp tile by tile, 1 the reverse loop over positions, 2 the batched VJPs), phase 1
+further into kv's and post's input gradients at each position, the tile gradients and the rest.
+--profile adds torch.profiler tables (self CPU time per op) of the tiled and the naive backward.
 
 traffic: spec §3.4's model of GPU HBM traffic: the naive loop loads N (N - 1) / 2 key rows (step i
 reads all i earlier ones for one query), the tiled schedule (N/2) log2 N; their ratio is the predicted
@@ -101,11 +104,12 @@ def zero_grads(x, view) -> None:
         p.grad = None
 
 
-def step(path: str, x, g, view) -> tuple[float, float]:
-    """(forward s, backward s) of one forward + backward; gradients of x and every block parameter."""
+def step(f, x, g, view) -> tuple[float, float]:
+    """(forward s, backward s) of one forward + backward by f (x, view) -> z; gradients of x and every
+    block parameter."""
     zero_grads(x, view)
     t0 = time.perf_counter()
-    z = PATHS[path](x, view)
+    z = f(x, view)
     t1 = time.perf_counter()
     z.backward(g)
     return t1 - t0, time.perf_counter() - t1
@@ -235,44 +239,69 @@ class Clock:
         self.marks.setdefault(name, time.perf_counter())
 
 
-class TimedLayer:
-    """A LayerView whose pre / kv / post calls are timed, and whose calls mark the backward's phases:
-    phase 1 starts at the first one-position kv(), phase 2 at the first all-position post()."""
+class AutogradVJPs:
+    """The layer without its hand-written input gradients (vjp_kv, vjp_post): the tiled backward then
+    builds and walks an autograd graph per position in phase 1 (its fallback)."""
 
-    def __init__(self, view: LayerView, clock: Clock, N: int):
-        self.view, self.clock, self.N = view, clock, N
+    def __init__(self, view: LayerView):
+        self.view, self.scale, self.slopes = view, view.scale, view.slopes
+        self.pre, self.kv, self.post, self.parameters = view.pre, view.kv, view.post, view.parameters
+
+
+def has_vjps(view) -> bool:
+    return hasattr(view, "vjp_kv") and hasattr(view, "vjp_post")
+
+
+class TimedLayer:
+    """A LayerView whose calls are timed, and mark the backward's phases: phase 1 starts at the first
+    one-position kv() or vjp_kv(), phase 2 at the first all-position post(). Exposes vjp_kv / vjp_post
+    only when `vjps` (and the view has them), so the backward takes the same branch as for the view."""
+
+    def __init__(self, view: LayerView, clock: Clock, vjps: bool):
+        self.view, self.clock = view, clock
         self.scale, self.slopes = view.scale, view.slopes
+        if vjps and has_vjps(view):
+            self.vjp_kv, self.vjp_post = self._vjp_kv, self._vjp_post
 
     def pre(self, x, offset):
-        with self.clock("pre(), all positions"):
+        with self.clock("pre"):
             return self.view.pre(x, offset)
 
     def kv(self, z, offset):
         if z.shape[1] == 1:
             self.clock.mark("phase 1")
-            with self.clock("phase 1: kv() recomputed at one position"):
+            with self.clock("kv"):
                 return self.view.kv(z, offset)
-        with self.clock("kv(), all positions"):
+        with self.clock("kv all"):
             return self.view.kv(z, offset)
 
     def post(self, x, a):
         if x.shape[1] == 1:
-            with self.clock("phase 1: post() recomputed at one position"):
+            with self.clock("post"):
                 return self.view.post(x, a)
         self.clock.mark("phase 2")
-        with self.clock("post(), all positions"):
+        with self.clock("post all"):
             return self.view.post(x, a)
+
+    def _vjp_kv(self, *args):
+        self.clock.mark("phase 1")
+        with self.clock("kv"):
+            return self.view.vjp_kv(*args)
+
+    def _vjp_post(self, *args):
+        with self.clock("post"):
+            return self.view.vjp_post(*args)
 
     def parameters(self):
         return self.view.parameters()
 
 
-def backward_breakdown(a, x, g, view) -> None:
-    """One tiled backward with its pieces timed: phases 0/1/2, and inside phase 1 the per-position
-    recomputation, the per-position autograd.grad calls and the tile gradients."""
-    N = x.shape[1]
+def instrumented_backward(x, g, view, vjps: bool) -> dict:
+    """One tiled backward with its pieces timed (seconds, calls): phases 0/1/2 by the first call that
+    opens them; in phase 1 the input gradients of kv and of post at one position (the recomputation and
+    autograd.grad on it, or the layer's vjp_kv / vjp_post) and the tile gradients."""
     clock = Clock()
-    timed = TimedLayer(view, clock, N)
+    timed = TimedLayer(view, clock, vjps)
     zero_grads(x, view)
     z = tiled.prefill(x, timed)
     clock.total.clear()
@@ -282,13 +311,13 @@ def backward_breakdown(a, x, g, view) -> None:
 
     def timed_grad(outputs, inputs, *args, **kw):
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
-        one = (first.dim() == 3 and first.shape[1] == 1) or (first.dim() == 4 and first.shape[2] == 1)
-        with clock("phase 1: autograd.grad at one position (kv VJP, post VJP)" if one
-                   else "phase 2: autograd.grad, all positions (pre, kv, post VJPs)"):
+        label = ("kv" if first.dim() == 3 and first.shape[1] == 1 else
+                 "post" if first.dim() == 4 and first.shape[2] == 1 else "grad all")
+        with clock(label):
             return grad(outputs, inputs, *args, **kw)
 
     def timed_tiles(*args, **kw):
-        with clock("phase 1: tile_grads (dq, dk, dv of the tiles)"):
+        with clock("tiles"):
             return tile_grads(*args, **kw)
 
     torch.autograd.grad, tiled.tile_grads = timed_grad, timed_tiles
@@ -298,25 +327,38 @@ def backward_breakdown(a, x, g, view) -> None:
         t_end = time.perf_counter()
     finally:
         torch.autograd.grad, tiled.tile_grads = grad, tile_grads
-    total = t_end - t0
     p1, p2 = clock.marks.get("phase 1", t0), clock.marks.get("phase 2", t_end)
-    print(f"\n# where the tiled backward's time goes at N={N} (one instrumented backward, {total * 1e3:,.0f} ms; "
-          f"phases of spec §3.5 by the first call that opens them)")
-    print(f"{'piece':<66} {'ms':>8} {'share':>6} {'calls':>6} {'us/call':>8}")
-    rows = [("phase 0: recompute q, K, V, A (A tile by tile from the log-sum-exp)", p1 - t0, None),
-            ("phase 1: the reverse loop over positions", p2 - p1, None)]
-    inner = [k for k in clock.total if k.startswith("phase 1:")]
-    for k in inner:
-        rows.append(("  " + k[len("phase 1: "):], clock.total[k], clock.calls[k]))
-    rows.append(("  the rest (slicing, D, accumulating dq/dK/dV, dtype casts)", (p2 - p1) - sum(clock.total[k]
-                                                                                             for k in inner), None))
-    rows.append(("phase 2: diagonal terms and the batched VJPs", t_end - p2, None))
-    for k in clock.total:
-        if k.startswith("phase 2:"):
-            rows.append(("  " + k[len("phase 2: "):], clock.total[k], clock.calls[k]))
-    for label, s, calls in rows:
-        per = f"{s / calls * 1e6:>8.0f}" if calls else f"{'':>8}"
-        print(f"{label:<66} {s * 1e3:>8,.1f} {s / total:>6.1%} {calls or '':>6} {per}")
+    inner = sum(clock.total.get(k, 0.0) for k in ("kv", "post", "tiles"))
+    return {"total": (t_end - t0, None), "phase 0": (p1 - t0, None), "phase 1": (p2 - p1, None),
+            "kv": (clock.total.get("kv", 0.0), None), "post": (clock.total.get("post", 0.0), None),
+            "tiles": (clock.total.get("tiles", 0.0), clock.calls.get("tiles")),
+            "rest": (p2 - p1 - inner, None), "phase 2": (t_end - p2, None),
+            "grad all": (clock.total.get("grad all", 0.0), clock.calls.get("grad all"))}
+
+
+def backward_breakdown(x, g, view) -> None:
+    """The tiled backward's time by piece, with the layer's hand-written input gradients (what training
+    runs) and with autograd per position (the fallback), side by side."""
+    N = x.shape[1]
+    runs = {"hand-written": instrumented_backward(x, g, view, True)} if has_vjps(view) else {}
+    runs["autograd"] = instrumented_backward(x, g, view, False)
+    print(f"\n# where the tiled backward's time goes at N={N}: one instrumented backward each, phases of spec §3.5 "
+          f"(by the first call that opens them); phase 1's per-position input gradients of kv and post by the "
+          f"layer's vjp_kv / vjp_post (hand-written) or by recomputing kv() / post() at the position and calling "
+          f"torch.autograd.grad on it (autograd){'' if has_vjps(view) else ' (this layer has no vjp_kv / vjp_post)'}")
+    print(f"{'piece':<62}" + "".join(f" {n + ' ms':>16} {'share':>6}" for n in runs))
+    rows = (("total", "backward"),
+            ("phase 0", "phase 0: recompute q, K, V; A tile by tile from the log-sum-exp"),
+            ("phase 1", "phase 1: the reverse loop over positions"),
+            ("kv", f"  dz_t from (dK_t, dV_t): kv's input gradient, {N} positions"),
+            ("post", f"  g_t from dz_t: post's input gradient, {N} positions"),
+            ("tiles", "  tile_grads (dq, dk, dv of the mirrored tiles)"),
+            ("rest", "  the rest (slicing, D, accumulating dq/dK/dV, casts)"),
+            ("phase 2", "phase 2: diagonal terms and the batched VJPs"),
+            ("grad all", "  autograd.grad over all positions (pre, kv, post)"))
+    for key, label in rows:
+        print(f"{label:<62}" + "".join(f" {r[key][0] * 1e3:>16,.1f} {r[key][0] / r['total'][0]:>6.1%}"
+                                        for r in runs.values()))
 
 
 def profile_backwards(x, g, view) -> None:
@@ -342,49 +384,70 @@ def profile_backwards(x, g, view) -> None:
             print(f"{key[:60]:<60} {ms:>8,.1f} {ms / total:>6.1%} {calls:>7} {o_ms:>9,.1f} {o_calls:>7}")
 
 
+def time_paths(view) -> dict:
+    """The timed paths: tiled (with the layer's hand-written input gradients where it has them), naive,
+    and, where it has them, tiled with autograd per position instead (the backward's fallback)."""
+    paths = dict(PATHS)
+    if has_vjps(view):
+        paths["tiled/autograd"] = lambda x, v: tiled.prefill(x, AutogradVJPs(v))
+    return paths
+
+
 def bench_time(a) -> None:
     N, B, d = a.seq, a.batch, a.d_model
     view = layer(d, a.heads, N)
     x, g = inputs(B, N, d)
+    paths = time_paths(view)
     outs = {}
-    for path in PATHS:  # warm-up, and the two paths' results side by side
+    for name, f in paths.items():  # warm-up, and the paths' results side by side
         zero_grads(x, view)
-        z = PATHS[path](x, view)
+        z = f(x, view)
         z.backward(g)
-        outs[path] = (z.detach(), x.grad.clone())
-    dz = (outs["tiled"][0] - outs["naive"][0]).abs().max().item()
-    dx = ((outs["tiled"][1] - outs["naive"][1]).abs().max() / outs["naive"][1].abs().max()).item()
-    fwd, bwd = {p: [] for p in PATHS}, {p: [] for p in PATHS}
+        outs[name] = (z.detach(), x.grad.clone())
+    ref = outs["naive"]
+    diffs = ", ".join(f"{n}: max |z diff| {(o[0] - ref[0]).abs().max().item():.1e}, max |dx diff| / max |dx| "
+                      f"{((o[1] - ref[1]).abs().max() / ref[1].abs().max()).item():.1e}" for n, o in outs.items()
+                      if n != "naive")
+    fwd, bwd = {n: [] for n in paths}, {n: [] for n in paths}
     print(f"time ({load()}):", flush=True)
-    for r, order in rounds_of(list(PATHS), a.rounds):
-        for path in order:
-            f, b = step(path, x, g, view)
-            fwd[path].append(f)
-            bwd[path].append(b)
+    for r, order in rounds_of(list(paths), a.rounds):
+        for name in order:
+            f, b = step(paths[name], x, g, view)
+            fwd[name].append(f)
+            bwd[name].append(b)
         print(f"  round {r + 1}/{a.rounds}: " + ", ".join(
-            f"{p} fwd {fwd[p][-1] * 1e3:,.0f} bwd {bwd[p][-1] * 1e3:,.0f} ms" for p in PATHS), flush=True)
-    full = {p: [f + b for f, b in zip(fwd[p], bwd[p])] for p in PATHS}
+            f"{n} fwd {fwd[n][-1] * 1e3:,.0f} bwd {bwd[n][-1] * 1e3:,.0f} ms" for n in paths), flush=True)
+    full = {n: [f + b for f, b in zip(fwd[n], bwd[n])] for n in paths}
 
-    def ratio(t):  # median over rounds of naive / tiled in the same round
-        return statistics.median(n / t_ for n, t_ in zip(t["naive"], t["tiled"]))
+    def ratio(t, num="naive", den="tiled"):  # median over rounds of num / den in the same round
+        return statistics.median(u / v for u, v in zip(t[num], t[den]))
 
+    others = [n for n in paths if n not in ("tiled", "naive")]
     print(f"\n# one layer at N={N}, d={d}, H={a.heads}, B={B}, fp32, eager, {torch.get_num_threads()} thread(s); "
-          f"forward and backward timed apart; {a.rounds} alternating rounds, medians; naive/tiled: median over "
-          f"rounds of the same-round ratio ({load()})")
-    print(f"(tiled vs naive: max |z diff| {dz:.1e}, max |dx diff| / max |dx| {dx:.1e})")
-    print(f"{'what':<20} {'tiled ms':>9} {'min':>7} {'naive ms':>9} {'min':>7} {'naive/tiled':>12} {'by min':>7}")
+          f"forward and backward timed apart; {a.rounds} rounds alternating the order, medians; naive/x: median over "
+          f"rounds of the same-round ratio; by min: ratio of the fastest ({load()})")
+    print(f"(against naive: {diffs})")
+    if others:
+        print("(tiled/autograd: the same tiled backward with the per-position input gradients of kv and post taken "
+              "by torch.autograd.grad instead of the layer's vjp_kv / vjp_post)")
+    print(f"{'what':<20} {'tiled ms':>9} {'min':>7} {'naive ms':>9} {'min':>7} {'naive/tiled':>12} {'by min':>7}"
+          + "".join(f" {n + ' ms':>18} {'naive/it':>9}" for n in others))
     for label, t in (("forward", fwd), ("backward", bwd), ("forward + backward", full)):
         print(f"{label:<20} {statistics.median(t['tiled']) * 1e3:>9,.0f} {min(t['tiled']) * 1e3:>7,.0f} "
               f"{statistics.median(t['naive']) * 1e3:>9,.0f} {min(t['naive']) * 1e3:>7,.0f} {ratio(t):>11.2f}x "
-              f"{min(t['naive']) / min(t['tiled']):>6.2f}x")
-    per = {(p, k): statistics.median(t[p]) / N * 1e6 for p in PATHS for k, t in (("f", fwd), ("b", bwd))}
-    print(f"per position: tiled forward {per['tiled', 'f']:,.0f} us, backward {per['tiled', 'b']:,.0f} us; naive "
-          f"forward {per['naive', 'f']:,.0f} us, backward {per['naive', 'b']:,.0f} us")
+              f"{min(t['naive']) / min(t['tiled']):>6.2f}x"
+              + "".join(f" {statistics.median(t[n]) * 1e3:>18,.0f} {ratio(t, den=n):>8.2f}x" for n in others))
+    per = {(n, k): statistics.median(t[n]) / N * 1e6 for n in paths for k, t in (("f", fwd), ("b", bwd))}
+    print("per position: " + "; ".join(f"{n} forward {per[n, 'f']:,.0f} us, backward {per[n, 'b']:,.0f} us"
+                                       for n in paths))
     print(f"RATIO naive/tiled backward time at N={N} = {ratio(bwd):.2f}x (the custom backward alone vs autograd's "
           f"backward through the naive loop; target >= 2x, aim 3x)")
     print(f"RATIO naive/tiled forward time at N={N} = {ratio(fwd):.2f}x")
     print(f"RATIO naive/tiled forward+backward time at N={N} = {ratio(full):.2f}x")
-    backward_breakdown(a, x, g, view)
+    for n in others:
+        print(f"RATIO tiled backward, autograd per position / hand-written input gradients = "
+              f"{ratio(bwd, num=n):.2f}x")
+    backward_breakdown(x, g, view)
     if a.profile:
         profile_backwards(x, g, view)
 
@@ -455,8 +518,8 @@ def bench_tp(a) -> None:
         heads = a.tp_heads if d == a.tp_width else a.heads
         view = layer(d, heads, N)
         x, g = inputs(B, N, d)
-        step("tiled", x, g, view)  # warm-up
-        ts = [sum(step("tiled", x, g, view)) for _ in range(a.tp_layer_rounds)]
+        step(tiled.prefill, x, g, view)  # warm-up
+        ts = [sum(step(tiled.prefill, x, g, view)) for _ in range(a.tp_layer_rounds)]
         step_s[d] = (statistics.median(ts), heads)
         print(f"  layer d={d}: forward + backward {step_s[d][0]:.2f} s (median of {a.tp_layer_rounds})", flush=True)
     print(f"\n# tensor parallelism's collectives for one RT layer, per training step: 2 all-reduces of a [B, d] "
