@@ -298,3 +298,18 @@ def test_a_short_training_run_falls(tmp_path):
     Trainer(load_config("rt/tiny", over), log=lambda *_: None).fit()
     losses = [r["loss"] for r in read_metrics(str(tmp_path / "run")) if "loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_large_tiles_are_computed_in_query_blocks_with_the_same_values_and_gradients(monkeypatch):
+    monkeypatch.setattr(tiled, "BLOCK", 4)  # tiles of up to 16 keys and queries split into blocks of 4 queries
+    model = model_of()
+    N = 33
+    x = torch.randn(2, N, 16, dtype=torch.float64, requires_grad=True)
+    view, params = layer_of(model, N), list(model.blocks[0].parameters())
+    g = torch.randn(2, N, 16, dtype=torch.float64)
+    z0 = reference.prefill(x, view)
+    want = torch.autograd.grad(z0, [x, *params], g)
+    z1 = tiled.prefill(x, view)
+    torch.testing.assert_close(z1, z0, rtol=0, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(z1, [x, *params], g), want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

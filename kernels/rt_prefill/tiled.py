@@ -39,16 +39,22 @@ def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
     return s
 
 
+BLOCK = 128  # queries per score block: a tile of P keys and P queries holds [B, H, BLOCK, P] scores at once
+
+
 def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tensor, slopes, q0: int, k0: int) -> None:
-    """Fold keys k, v into the online-softmax state (m, l, O) of queries qs, in place (spec Algorithm 2)."""
-    s = scores(qs, k, slopes, q0, k0)
-    m_new = torch.maximum(m, s.amax(-1))
-    c = torch.exp(m - m_new)
-    e = torch.exp(s - m_new[..., None])
-    O.mul_(c[..., None]).add_(e @ v.to(O.dtype))
-    l.mul_(c).add_(e.sum(-1))
-    m.copy_(m_new)
+    """Fold keys k, v into the online-softmax state (m, l, O) of queries qs, in place (spec Algorithm 2),
+    BLOCK queries at a time so that memory stays linear in the tile."""
     KEYS_MOVED[0] += k.shape[2]
+    for a in range(0, qs.shape[2], BLOCK):
+        b = slice(a, a + BLOCK)
+        s = scores(qs[:, :, b], k, slopes, q0 + a, k0)
+        m_new = torch.maximum(m[:, :, b], s.amax(-1))
+        c = torch.exp(m[:, :, b] - m_new)
+        e = torch.exp(s - m_new[..., None])
+        O[:, :, b].mul_(c[..., None]).add_(e @ v.to(O.dtype))
+        l[:, :, b].mul_(c).add_(e.sum(-1))
+        m[:, :, b] = m_new
 
 
 def _pieces(N: int, leaf: int, t: int):
@@ -99,11 +105,17 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
 
 def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one tile from the saved log-sum-exp (FlashAttention-2's backward on a tile):
-    (d scaled queries, d keys, d values) given g = dL/dA of its queries and D = <A, g>."""
-    p = torch.exp(scores(qs, k, slopes, q0, k0) - lse[..., None])
-    dv = p.transpose(-1, -2) @ g
-    ds = p * (g @ v.to(g.dtype).transpose(-1, -2) - D[..., None])
-    return ds @ k.to(ds.dtype), ds.transpose(-1, -2) @ qs, dv
+    (d scaled queries, d keys, d values) given g = dL/dA of its queries and D = <A, g>; BLOCK queries
+    at a time."""
+    dq, dk, dv = torch.empty_like(qs), 0.0, 0.0
+    for a in range(0, qs.shape[2], BLOCK):
+        b = slice(a, a + BLOCK)
+        p = torch.exp(scores(qs[:, :, b], k, slopes, q0 + a, k0) - lse[:, :, b, None])
+        dv = dv + p.transpose(-1, -2) @ g[:, :, b]
+        ds = p * (g[:, :, b] @ v.to(g.dtype).transpose(-1, -2) - D[:, :, b, None])
+        dq[:, :, b] = ds @ k.to(ds.dtype)
+        dk = dk + ds.transpose(-1, -2) @ qs[:, :, b]
+    return dq, dk, dv
 
 
 class TiledPrefill(torch.autograd.Function):
@@ -136,9 +148,11 @@ class TiledPrefill(torch.autograd.Function):
         A = p_diag[..., None] * vtd  # the attention outputs, rebuilt from the log-sum-exp
         for t in range(N):
             for a0, a1, k0, k1 in _pieces(N, leaf, t):
-                p = torch.exp(scores(qs[:, :, a0:a1], Kd[:, :, k0:k1], layer.slopes, offset + a0, offset + k0)
-                              - lse[:, :, a0:a1, None])
-                A[:, :, a0:a1] += p @ Vd[:, :, k0:k1].to(dtype)
+                for a in range(a0, a1, BLOCK):
+                    b = slice(a, min(a + BLOCK, a1))
+                    p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
+                                  - lse[:, :, b, None])
+                    A[:, :, b] += p @ Vd[:, :, k0:k1].to(dtype)
         A_in = A.to(x.dtype)
         dK, dV = torch.zeros_like(A), torch.zeros_like(A)
         dqs, G = torch.zeros_like(A), torch.zeros_like(A)

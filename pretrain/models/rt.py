@@ -256,8 +256,10 @@ SPEC = register(ArchSpec(
     supports=Support(tp=False, sp=False, zero_stages=(0, 1, 2), reasons={
         "zero": "ZeRO-3 partitions parameters and gathers them around each module's forward, but RT's custom backward "
                 "runs the layer's modules again inside the backward pass, on parameters ZeRO-3 has released",
-        "tp": "RT's output projection and MLP run once per position inside the sequential loop, so tensor "
-              "parallelism would cost two all-reduces per position and layer (spec §3.8)",
+        "tp": "RT's QK-norm normalises over the heads tensor parallelism would split, and its output projection "
+              "and MLP run once per position inside the sequential loop: two all-reduces per position and layer "
+              "in the forward and again in the backward (spec §3.8; measured at TP2 with gloo by "
+              "benchmarks/bench_rt.py: 2.5-5% of a d=1024 layer's step on CPU, 84-169% at d=64)",
         "sp": "the recurrence runs over the whole sequence: a sequence slice cannot be computed without the "
               "previous slice's outputs (spec §3.8)"}),
     tp_dims=tp_dims,
