@@ -269,7 +269,7 @@ def test_bad_input_is_refused_with_one_sentence():
     cases = [
         (["data.seq_len=256"], "data.seq_len 256 exceeds model.max_seq_len 128"),
         (["model.positions=alibi+rope"], "model.positions must be one of alibi, rope (one position scheme"),
-        (["parallel.tp=2"], "parallel.tp=2 is not supported (RT's output projection and MLP run once per position"),
+        (["parallel.tp=2"], "parallel.tp=2 is not supported (RT's QK-norm normalises over the heads"),
         (["parallel.sp=true", "parallel.tp=2"], "is not supported"),
         (["parallel.data_parallel=deepspeed", "parallel.zero_stage=3"], "parallel.zero_stage=3 is not supported (ZeRO-3"),
         (["model.document_mask=true"], "model.document_mask=true is not supported by RT"),
