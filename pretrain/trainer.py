@@ -75,18 +75,21 @@ def _refuse_imported(run_dir: str) -> None:
 
 
 def collator_for(data) -> Collator:
-    """The collate function a DataConfig asks for (the tokenizer's EOD id, position and mask options;
+    """The collate function a DataConfig asks for (the tokenizer's EOD and pad ids, position and mask options;
     a synthetic task's own collator)."""
     if data.task:
         from pretrain.tasks import TaskCollator
 
         return TaskCollator()
-    eod_id = None
+    eod_id = pad_id = None
     if data.tokenizer:
         from data_tools.tokenizer import load_tokenizer
 
-        eod_id = load_tokenizer(data.tokenizer).eod_id
-    return Collator(eod_id, data.reset_positions, data.mask_cross_document)
+        tok = load_tokenizer(data.tokenizer)
+        eod_id = tok.eod_id
+        # no loss on a pad target (none in packed data; spec-001 §8.2), unless pad doubles as EOS, a target kept
+        pad_id = tok.pad_id if tok.pad_id != eod_id else None
+    return Collator(eod_id, data.reset_positions, data.mask_cross_document, pad_id)
 
 
 @torch.no_grad()

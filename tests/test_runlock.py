@@ -4,6 +4,7 @@ ranks), a dead holder's lock taken over, a requeued Slurm job taking its own loc
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -169,8 +170,10 @@ def _wait_for_steps(metrics, n, proc, timeout=120):
 
 def _second_trainer_refused(tmp_path, corpus, launcher=None, readers=False):
     run = tmp_path / "run"
+    # its own process group: a launcher's workers are stopped with it, never left training after the test
     first = subprocess.Popen(_cli(*_over(tmp_path, corpus, 100000, **{"checkpoint.every": 2}), launcher=launcher),
-                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
     try:
         _wait_for_steps(run / "metrics.jsonl", 2, first)
         deadline = time.time() + 120  # and its first checkpoint: from then on its top-level entries stay the same
@@ -189,9 +192,16 @@ def _second_trainer_refused(tmp_path, corpus, launcher=None, readers=False):
         assert first.poll() is None, "the first trainer must still run"
         first.send_signal(2 if launcher else 15)  # torchrun forwards SIGINT to its workers
         _, err = first.communicate(timeout=120)
+        # torchrun may return before its workers have exited: the lock goes with rank 0's process
+        deadline = time.time() + 60
+        while (run / LOCK_NAME).exists() and time.time() < deadline:
+            time.sleep(0.1)
     finally:
-        if first.poll() is None:
-            first.kill()
+        try:
+            os.killpg(first.pid, signal.SIGKILL)  # whatever of the group is left
+        except ProcessLookupError:
+            pass
+        first.wait()
     steps = [r["step"] for r in read_metrics(str(run))]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 2, steps  # every step once
     assert not (run / LOCK_NAME).exists(), "the lock is released at exit"
@@ -206,8 +216,7 @@ def test_a_second_trainer_is_refused_naming_the_holder(tmp_path, corpus):
     assert f" on {HOST}, started " in second.stderr and len(second.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.slow  # flaky in CI: torchrun can return before its workers release the lock, and the workers
-def test_a_second_torchrun_job_is_refused(tmp_path, corpus):  # left running then starve test_slurm (see the note)
+def test_a_second_torchrun_job_is_refused(tmp_path, corpus):
     torchrun = [shutil.which("torchrun", path=os.path.dirname(sys.executable)) or "torchrun", "--standalone",
                 "--nproc-per-node", "2", "-m", "pretrain.cli"]
     _, _, second = _second_trainer_refused(tmp_path, corpus, launcher=torchrun)
