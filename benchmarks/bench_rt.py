@@ -23,9 +23,10 @@ first allocates the parameter gradients and warms the libraries; the peak is VmH
 (reset to the current RSS just before it through /proc/self/clear_refs where the kernel allows, so
 import-time peaks cannot hide it) minus VmRSS before it. Per doubling of N the tiled path (X, Z, the
 log-sum-exp and O(N) recomputed tensors) should grow ~2x; autograd through the naive loop keeps every
-step's concatenated keys and values, sum_i i rows = N^2/2, so ~4x. (The tiled path's PyTorch tile
-functions materialise each tile's whole score matrix, [B, H, N/2, N/2] for the last tile: a quadratic
-transient, printed as "top tile MB", that shows from N ~ 1024 at d=64, H=4.)
+step's concatenated keys and values, sum_i i rows = N^2/2, so ~4x. (The tiled path's tile functions
+hold at most tiled.BLOCK queries' scores at a time; "top tile MB" is what the last tile's whole
+[B, H, N/2, N/2] score matrix would take: before they were blocked, it made the path grow ~3.4x per
+doubling from N ~ 1024 at d=64, H=4.)
 
 time: at N = --seq, forward and backward timed apart (z = f(x); then z.backward(g) alone), gradients of x
 and of every block parameter, both paths; one warm-up step each, then --rounds rounds alternating the
@@ -208,9 +209,9 @@ def bench_memory(a) -> None:
               f"{t['step_s']:>8.2f} {n['step_s']:>8.2f} {t['before_mb']:>14,.0f} {top_tile_mb(N):>12,.1f}")
         prev = (t["mb"], n["mb"])
     print(f"(top tile MB: one fp32 [B, H, N/2, N/2] matrix, the scores of the last and largest tile, keys [0, N/2) "
-          f"into queries [N/2, N); tiled.update_tile and tile_grads materialise it whole, with its exp (and in the "
-          f"backward p and ds) beside it: a transient that grows 4x per doubling of N, which a kernel streaming each "
-          f"tile in key blocks (spec §3.8), or the PyTorch path chunking big tiles over queries, keeps linear)")
+          f"into queries [N/2, N), if it were held whole: it grows 4x per doubling of N. tiled.update_tile and "
+          f"tile_grads hold [B, H, {tiled.BLOCK}, N/2] at a time (tiled.BLOCK queries), which keeps the tiled path "
+          f"linear; a kernel streaming each tile in key blocks (spec §3.8) would too)")
     for i in range(1, len(a.mem_seqs)):
         N0, N1 = a.mem_seqs[i - 1], a.mem_seqs[i]
         print(f"RATIO memory N={N1}/N={N0}: tiled {med[(N1, 'tiled')]['mb'] / med[(N0, 'tiled')]['mb']:.2f}x, naive "
