@@ -32,7 +32,7 @@ from kernels.attention import Mask, attention
 from parallel.layers import ColumnLinear, LayerNorm, RMSNorm, RowLinear, local_heads, refuse_under_tp
 
 NORMS = ("rms", "layer", "layer_nobias")
-INITS = ("normal", "mitchell")
+INITS = ("normal", "mitchell", "plain")
 MLPS = ("swiglu", "gelu")
 QK_NORMS = ("none", "head", "full")
 POSITIONS = ("rope", "alibi", "none")
@@ -57,8 +57,12 @@ class BlockOptions:
     depth: int = 1
     scale_ffn_out: bool = False  # the MLP's output layer scaled like the attention's (GPT-2) or not (Llama/SPS)
     # normal: N(0, init_std) and the output layers as above; mitchell (OLMo's, the RT paper's): every linear
-    # N(0, 1 / fan_in) truncated at 3 sigma, the two output layers 1 / (2 fan_in (layer + 1)) in variance
+    # N(0, 1 / fan_in) truncated at 3 sigma, the two output layers 1 / (2 fan_in (layer + 1)) in variance;
+    # plain: every linear N(0, init_std), output layers unscaled (CART's)
     init: str = "normal"
+    # keys and values through a low-rank bottleneck (MLA without its decoupled RoPE key): x -> kv_down
+    # (kv_rank) -> k_up | v_up; 0: one k | v projection
+    kv_rank: int = 0
     layer: int = 0  # this block's index (0-based), for the mitchell init
     residual_scale: float = 1.0  # each sublayer's output is multiplied by it before the residual add
 
@@ -83,7 +87,7 @@ class BlockOptions:
         `scaled` False: the normal init's unscaled MLP output (init_std)."""
         if self.init == "mitchell":
             return 1.0 / math.sqrt(2 * fan_in * (self.layer + 1))
-        return self.out_std if scaled else self.init_std
+        return self.out_std if scaled and self.init == "normal" else self.init_std
 
     def validate(self) -> None:
         for name, value, allowed in (("norm", self.norm, NORMS), ("mlp", self.mlp, MLPS),
@@ -176,11 +180,17 @@ class Attention(nn.Module):
         super().__init__()
         o.validate()
         self.head_dim, self.dropout, self.positions, self.qk_norm = o.head_dim, o.dropout, o.positions, o.qk_norm
+        self.kv_rank = o.kv_rank
         d, H, H_kv, Dh = o.d_model, o.n_heads, o.kv_heads, o.head_dim
         # q, then k | v. Created in this order, they draw from the generator what the fused q | k | v
         # projection they replaced did when d_model^2 is a multiple of 16 (normal_ fills blocks of 16).
         self.q = ColumnLinear(d, H * Dh, o.bias, init_std=o.in_std(d), trunc=o.trunc)
-        if not cross:  # k | v stacked: TP gives every rank whole heads of both
+        if not cross and o.kv_rank:  # the bottleneck is replicated state TP cannot split by heads
+            refuse_under_tp("a low-rank key/value projection (kv_rank)", "its shared bottleneck spans every head")
+            self.kv_down = ColumnLinear(d, o.kv_rank, o.bias, init_std=o.in_std(d), trunc=o.trunc)
+            self.k_up = ColumnLinear(o.kv_rank, H_kv * Dh, o.bias, init_std=o.in_std(o.kv_rank), trunc=o.trunc)
+            self.v_up = ColumnLinear(o.kv_rank, H_kv * Dh, o.bias, init_std=o.in_std(o.kv_rank), trunc=o.trunc)
+        elif not cross:  # k | v stacked: TP gives every rank whole heads of both
             self.kv = ColumnLinear(d, 2 * H_kv * Dh, o.bias, init_std=o.in_std(d), stacked=2, trunc=o.trunc)
         self.proj = RowLinear(H * Dh, d, o.bias, init_std=o.output_std(H * Dh), trunc=o.trunc)
         if o.qk_norm != "none":
@@ -210,7 +220,10 @@ class Attention(nn.Module):
 
     def keys(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """[B, T, d] -> k, v [B, H_kv, T, Dh]: projected, k QK-normed and rotated as the queries are."""
-        if self.qk_norm == "none":
+        if self.kv_rank:
+            c = self.kv_down(x)
+            k, v = self._heads(self.k_up(c), getattr(self, "k_norm", None)), self._heads(self.v_up(c), None)
+        elif self.qk_norm == "none":
             k, v = self.kv(x).unflatten(-1, (2, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
         else:
             k, v = self.kv(x).unflatten(-1, (2, -1)).unbind(-2)
