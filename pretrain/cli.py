@@ -222,8 +222,8 @@ def _info(args) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        by_formula = (f"; {formula:,} by the paper's formula ({counts['total'] / formula - 1:+.2%} here: it leaves "
-                      "out biases and norms)") if formula is not None else ""
+        by_formula = (f"; {formula:,} {spec.formula_params_note} ({counts['total'] / formula - 1:+.2%} here)"
+                      if formula is not None else "")
         print(f"{cfg.model.arch}: {counts['total']:,} parameters ({counts['embedding']:,} embedding, "
               f"{counts['non_embedding']:,} non-embedding){by_formula}; {flops / 1e9:,.3f} GFLOP per training "
               f"token at T={cfg.data.seq_len}; {flops * cfg.tokens_per_step / 1e12:,.1f} TFLOP per step")

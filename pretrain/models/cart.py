@@ -148,8 +148,10 @@ class CART(Decoder):
         """rho as the paper logs it: the largest channel of sigmoid(a)."""
         return torch.sigmoid(self.a).max()
 
-    def loops(self, e: Tensor, a: Attend, cache: KVCache | None, offset: int, n_loops: int | None = None) -> Tensor:
-        """The R core passes over states e [B, n, d] at positions offset.. (n_loops: another R at inference)."""
+    def loops(self, e: Tensor, a: Attend, cache: KVCache | None, offset: int, n_loops: int | None = None,
+              states: list | None = None) -> Tensor:
+        """The R core passes over states e [B, n, d] at positions offset.. (n_loops: another R at inference;
+        `states` collects each pass's h, for diagnostics and tests)."""
         cfg = self.cfg
         R = n_loops or cfg.n_loops
         slot0 = cfg.n_layers + 1  # the anchor's cache slots come after the prelude's and the coda's
@@ -178,6 +180,8 @@ class CART(Decoder):
             out = delta + (h_in if cfg.core_update == "reference" else 0.0)
             h = h_in + out if cfg.disable_lti else gate * h_in + out
             buf = [h, buf[0], buf[1]]
+            if states is not None:
+                states.append(h)
         return buf[0]
 
     def body(self, tokens: Tensor, positions: Tensor, mask, cache=None, n_loops: int | None = None) -> Tensor:
@@ -246,6 +250,7 @@ SPEC = register(ArchSpec(
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
     formula_params=effective_params,
+    formula_params_note="effective (the shared core counted once per pass, spec §2.10)",
     decode=DecodeRelation("exact"),
     supports=Support(tp=False, sp=False, reasons={
         "tp": "the key/value bottleneck (kv_down, d -> d/4) is shared by every head, so tensor parallelism would "
