@@ -219,16 +219,20 @@ def _info(args) -> int:
     formula = spec.formula_params(cfg.model) if spec.formula_params else None
     if formula is not None:
         out["params_paper_formula"] = formula
+    if spec.info:
+        out["info"] = spec.info(cfg.model)
     if args.json:
         print(json.dumps(out))
     else:
-        by_formula = (f"; {formula:,} {spec.formula_params_note} ({counts['total'] / formula - 1:+.2%} here)"
-                      if formula is not None else "")
+        by_formula = (f"; {formula:,} by the paper's formula ({counts['total'] / formula - 1:+.2%} here: it leaves "
+                      "out biases and norms)") if formula is not None else ""
         print(f"{cfg.model.arch}: {counts['total']:,} parameters ({counts['embedding']:,} embedding, "
               f"{counts['non_embedding']:,} non-embedding){by_formula}; {flops / 1e9:,.3f} GFLOP per training "
               f"token at T={cfg.data.seq_len}; {flops * cfg.tokens_per_step / 1e12:,.1f} TFLOP per step")
         if cfg.model.paper_params:
             print(f"the paper gives {cfg.model.paper_params:,} for this configuration")
+        for line in spec.info(cfg.model) if spec.info else ():
+            print(line)
         policies = spec.recompute_policies()
         if policies:  # a policy that configures the model's own recomputation says so
             named = [n + (" (the model's own)" if p.kind == "configure" else "") for n, p in policies.items()]

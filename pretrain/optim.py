@@ -32,6 +32,9 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     fused: bool | None = None
+    # decay every parameter, vectors (norm gains, gates, biases) included, as some papers' runs did (CART's:
+    # its gate's drift is the decay's, spec-004 §2.8); off: only matrices and embeddings decay
+    decay_all: bool = False
 
     def validate(self) -> None:
         """Raise ValueError with one sentence naming the first bad field."""
@@ -228,8 +231,9 @@ def lr_at_tokens(tokens: int, total_tokens: int, optim: OptimConfig, schedule: S
     return min_lr + (lr - min_lr) * ((total_tokens - tokens) / decay)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two AdamW groups: [decayed matrices and embeddings (ndim >= 2), undecayed vectors].
+def param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """Two AdamW groups: [decayed matrices and embeddings (ndim >= 2), undecayed vectors]; with
+    `decay_all` every parameter is in the first group (optim.decay_all).
 
     Decaying norm gains and biases only pulls them toward 0 and hurts, so they are left alone.
     `model.parameters()` yields a tied (shared) parameter once, so each lands in exactly one group;
@@ -242,7 +246,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if p.ndim >= 2 or decay_all else no_decay).append(p)
     if not decay and not no_decay:
         raise ValueError(f"{type(model).__name__} has no trainable parameters to optimize")
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -284,7 +288,7 @@ def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.A
     The learning rate starts at `optim.lr`; the trainer overrides it with `set_lr` every step.
     """
     optim.validate()
-    groups = param_groups(model, optim.weight_decay)
+    groups = param_groups(model, optim.weight_decay, optim.decay_all)
     return torch.optim.AdamW(
         groups,
         lr=optim.lr,

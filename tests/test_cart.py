@@ -18,7 +18,7 @@ from pretrain.models.baseline import BaselineConfig, TransformerPP
 from pretrain.models.cart import CART, CARTConfig, CoreBlock, loop_embedding, parameter_counts
 
 V = 256
-ABLATIONS = [{}, {"core_update": "paper"}, {"unfreeze_kv": True}, {"unshare_core": True},
+ABLATIONS = [{}, {"dense": True}, {"core_update": "paper"}, {"unfreeze_kv": True}, {"unshare_core": True},
              {"unshare_core": True, "self_attn_core": True}, {"disable_hyper": True}, {"disable_lti": True},
              {"disable_lie": True}, {"n_loops": 1}]
 
@@ -213,6 +213,12 @@ def test_bad_input_is_refused_with_one_sentence():
         (["model.lie_dim=7"], "model.lie_dim must be an even number"),
         (["parallel.tp=2"], "parallel.tp=2 is not supported (the key/value bottleneck"),
         (["model.window=4"], "model.window is not supported by CART"),
+        (["model.n_layers=-1"], "model.n_layers must be >= 1"),
+        (["model.d_model=130", "model.n_heads=2"], "model.d_model 130 is not divisible by 4 for the d/4 key/value latent"),
+        (["model.self_attn_core=true"], "model.self_attn_core=true needs model.unshare_core=true"),
+        (["model.loops_sampling=uniform", "model.loops_min=0"], "the draw needs mass at R >= 1"),
+        (["model.backprop_loops=5"], "model.backprop_loops=5 must lie in 0..4"),
+        (["model.loops_sampling=uniform", "model.loops_min=2", "model.backprop_loops=3"], "must lie in 0..2"),
     ]
     for extra, message in cases:
         with pytest.raises((ConfigError, ValueError)) as e:
@@ -232,3 +238,64 @@ def test_a_short_training_run_falls(tmp_path):
     Trainer(load_config("cart/tiny", over), log=lambda *_: None).fit()
     losses = [r["loss"] for r in read_metrics(str(tmp_path / "run")) if "loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_random_depth_is_the_same_on_every_rank_and_after_a_resume_and_flops_follow_it():
+    from pretrain.models.base import StepContext
+    from pretrain.models.cart import flops_per_token
+
+    for sampling in ("uniform", "huginn"):
+        cfg = cfg_of(n_loops=6, loops_sampling=sampling, loops_min=2, loops_max=12)
+        draws = [cfg.draw_loops(StepContext.for_step(7, step)) for step in range(200)]
+        again = [cfg.draw_loops(StepContext.for_step(7, step)) for step in range(200)]  # another rank, a resume
+        assert draws == again and len(set(draws)) > 3 and min(draws) >= 1 and max(draws) <= 12
+        assert cfg.draw_loops(StepContext(3, 3, training=False)) == 6  # evaluation runs n_loops
+        ctx = StepContext.for_step(7, 0)
+        R = cfg.draw_loops(ctx)
+        fixed = dataclasses.replace(cfg, loops_sampling="fixed", n_loops=R)
+        assert flops_per_token(cfg, 32, ctx) == flops_per_token(fixed, 32)
+    uniform = cfg_of(n_loops=6, loops_sampling="uniform", loops_min=2)
+    assert uniform.expected_loops() == 4.0
+    model = model_of(n_loops=6, loops_sampling="uniform", loops_min=2)
+    model.train()
+    from pretrain.data.batch import collate
+
+    raw = tokens_of(2, 33).numpy()
+    batch = collate((raw, raw * 0), eod_id=None)
+    _, diag = model(batch, StepContext.for_step(7, 5))
+    assert diag["loops"].item() == uniform.draw_loops(StepContext.for_step(7, 5))
+    assert abs(diag["rho"].item() - 0.9) < 1e-6 and diag["rho_min"] <= diag["rho_mean"] <= diag["rho"]
+
+
+def test_truncated_backprop_takes_no_gradient_from_the_first_passes():
+    """With k trained passes of R, the gradient equals that of a model whose first R - k passes are
+    constants: the same as detaching the state after them."""
+    R, k = 5, 2
+    model = model_of(n_loops=R, backprop_loops=k)
+    model.train()
+    tokens = tokens_of()
+    model.logits(tokens).square().mean().backward()
+    truncated = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the same computation by hand: the first R - k passes under no_grad, then the last k with gradient
+    full = model_of(n_loops=R)
+    full.load_state_dict(model.state_dict())
+    states = {}
+    original = CART._pass
+
+    def spy(self, r, buf, *rest):
+        if r == R - k:
+            buf = [b.detach() for b in buf]
+        return original(self, r, buf, *rest)
+
+    CART._pass = spy
+    try:
+        full.logits(tokens).square().mean().backward()
+    finally:
+        CART._pass = original
+    for n, p in full.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(truncated[n], p.grad, rtol=1e-10, atol=1e-14)
+    # the core's gradient comes from the last k passes only: smaller than with every pass
+    full.zero_grad()
+    full.logits(tokens).square().mean().backward()
+    assert not torch.allclose(full.core.ffn.down.weight.grad, truncated["core.ffn.down.weight"])

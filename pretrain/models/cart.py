@@ -58,6 +58,15 @@ class CARTConfig(DecoderConfig):
     disable_hyper: bool = False
     disable_lti: bool = False
     disable_lie: bool = False
+    dense: bool = False  # the paper's Dense baseline: n_layers full-rank self-attention layers, no loop machinery
+    # Random depth per training step (Huginn's recipe, beyond the paper): fixed (always n_loops) | uniform
+    # (R ~ U{loops_min..n_loops}) | huginn (R = 1 + Poisson(lambda), lambda ~ LogNormal(log(n_loops - 1) - 1/8,
+    # 1/2), at most loops_max); drawn from the step's generator, so every rank and a resume agree.
+    # Evaluation and inference run n_loops.
+    loops_sampling: str = "fixed"
+    loops_min: int = 1
+    loops_max: int = 32
+    backprop_loops: int = 0  # k > 0: the first R - k passes run without gradient (truncated backprop)
 
     @property
     def ffn(self) -> int:
@@ -71,17 +80,63 @@ class CARTConfig(DecoderConfig):
         return replace(super().block_options(depth), init="plain", kv_rank=self.rank)
 
     def validate(self) -> None:
+        if self.n_loops < 1:
+            raise ValueError(f"model.n_loops must be >= 1 (R core passes), got {self.n_loops}")
+        if self.n_layers < 1:
+            raise ValueError(f"model.n_layers must be >= 1 (P prelude layers, or the Dense baseline's layers), got "
+                             f"{self.n_layers}")
+        if not self.kv_rank and self.d_model % 4:
+            raise ValueError(f"model.d_model {self.d_model} is not divisible by 4 for the d/4 key/value latent; set "
+                             "model.kv_rank")
         super().validate()
         if self.core_update not in ("reference", "paper"):
             raise ValueError(f"model.core_update must be reference or paper, got {self.core_update!r}")
-        if self.n_loops < 1:
-            raise ValueError(f"model.n_loops must be >= 1 (R core passes), got {self.n_loops}")
+        if self.kv_rank < 0:
+            raise ValueError(f"model.kv_rank must be >= 0 (0: d_model / 4), got {self.kv_rank}")
+        if self.self_attn_core and not self.unshare_core:
+            raise ValueError("model.self_attn_core=true needs model.unshare_core=true (ablation W replaces the shared "
+                             "cross-attention core by unshared self-attention layers)")
+        if self.loops_sampling not in ("fixed", "uniform", "huginn"):
+            raise ValueError(f"model.loops_sampling must be fixed, uniform or huginn, got {self.loops_sampling!r}")
+        if self.loops_sampling == "uniform" and not 1 <= self.loops_min <= self.n_loops:
+            raise ValueError(f"model.loops_min {self.loops_min} must lie in 1..model.n_loops ({self.n_loops}): the "
+                             "draw needs mass at R >= 1")
+        if self.loops_sampling == "huginn" and (self.loops_max < 1 or self.n_loops < 2):
+            raise ValueError(f"model.loops_sampling=huginn needs model.n_loops >= 2 (its mean) and model.loops_max >= 1,"
+                             f" got {self.n_loops} and {self.loops_max}")
+        fewest = {"fixed": self.n_loops, "uniform": self.loops_min, "huginn": 1}[self.loops_sampling]
+        if not 0 <= self.backprop_loops <= fewest:
+            raise ValueError(f"model.backprop_loops={self.backprop_loops} must lie in 0..{fewest}, the fewest passes a "
+                             "step can draw (0: backpropagate through every pass)")
+        if self.dense and (self.unfreeze_kv or self.unshare_core or self.self_attn_core or self.loops_sampling != "fixed"):
+            raise ValueError("model.dense=true is the Dense baseline: it has no core, so the core's fields "
+                             "(unfreeze_kv, unshare_core, self_attn_core, loops_sampling) must stay off")
         if self.lie_dim < 2 or self.lie_dim % 2:
             raise ValueError(f"model.lie_dim must be an even number >= 2, got {self.lie_dim}")
         if self.n_kv_heads and self.n_kv_heads != self.n_heads:
             raise ValueError("model.n_kv_heads must be 0: CART's anchor keys have as many heads as its queries")
         if self.window:
             raise ValueError("model.window is not supported by CART (the core reads every earlier anchor position)")
+
+    def draw_loops(self, ctx) -> int:
+        """R for the step of StepContext ctx (n_loops in evaluation or without ctx)."""
+        if ctx is None or not ctx.training or self.loops_sampling == "fixed":
+            return self.n_loops
+        g = ctx.generator()
+        if self.loops_sampling == "uniform":
+            return int(torch.randint(self.loops_min, self.n_loops + 1, (1,), generator=g))
+        lam = torch.exp(torch.randn(1, generator=g, dtype=torch.float64) * 0.5 + math.log(self.n_loops - 1) - 0.125)
+        return min(self.loops_max, 1 + int(torch.poisson(lam, generator=g)))
+
+    def expected_loops(self) -> float:
+        """E[R] over the draws (a fixed sample of huginn's), for FLOPs without a step."""
+        if self.loops_sampling == "fixed":
+            return float(self.n_loops)
+        if self.loops_sampling == "uniform":
+            return (self.loops_min + self.n_loops) / 2
+        from pretrain.models.base import StepContext
+
+        return sum(self.draw_loops(StepContext(i, i)) for i in range(2000)) / 2000
 
 
 def loop_embedding(r: int, dim: int, device=None, dtype=torch.float32) -> Tensor:
@@ -127,6 +182,9 @@ class CART(Decoder):
     def __init__(self, cfg: CARTConfig):
         super().__init__(cfg)
         o = cfg.block_options(1)
+        if cfg.dense:  # full-rank self-attention layers and nothing else (spec §2.11)
+            self.prelude = nn.ModuleList(Block(replace(o, kv_rank=0)) for _ in range(cfg.n_layers))
+            return
         self.prelude = nn.ModuleList(Block(o) for _ in range(cfg.n_layers))
         if not cfg.self_attn_core:
             self.kv_proj = AnchorKV(o)
@@ -139,7 +197,7 @@ class CART(Decoder):
 
     def applications(self) -> list[nn.Module]:
         """The self-attention layers with a decode cache slot each (the prelude's and the coda's)."""
-        return [*self.prelude, self.coda]
+        return list(self.prelude) if self.cfg.dense else [*self.prelude, self.coda]
 
     def core_at(self, r: int) -> nn.Module:
         return self.core[r] if self.cfg.unshare_core else self.core
@@ -147,6 +205,22 @@ class CART(Decoder):
     def spectral_radius(self) -> Tensor:
         """rho as the paper logs it: the largest channel of sigmoid(a)."""
         return torch.sigmoid(self.a).max()
+
+    def diagnostics(self, R: int) -> dict[str, Tensor]:
+        """rho (the paper's max of sigmoid(a)), its min and mean, the blend weights, and this step's R."""
+        gate = torch.sigmoid(self.a.detach())
+        w = torch.softmax(self.hyper.detach(), 0)
+        return {"rho": gate.max(), "rho_min": gate.min(), "rho_mean": gate.mean(), "blend0": w[0], "blend1": w[1],
+                "blend2": w[2], "loops": torch.tensor(float(R), device=gate.device)}
+
+    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
+        """Mean next-token loss over the batch's loss_mask, and the gate's diagnostics."""
+        if self.cfg.dense:
+            return super().forward(batch, ctx)
+        R = self.cfg.draw_loops(ctx)
+        doc_ids = batch.doc_ids if self.cfg.document_mask else None
+        h = self.norm(self.body(batch.tokens, batch.positions, self.mask(doc_ids), n_loops=R))
+        return self.head.loss(h, batch.labels, batch.loss_mask), self.diagnostics(R)
 
     def loops(self, e: Tensor, a: Attend, cache: KVCache | None, offset: int, n_loops: int | None = None,
               states: list | None = None) -> Tensor:
@@ -164,46 +238,58 @@ class CART(Decoder):
         w = torch.softmax(self.hyper, 0)
         buf = [e, e, e]
         gate = torch.sigmoid(self.a)
+        frozen = R - cfg.backprop_loops if cfg.backprop_loops and torch.is_grad_enabled() else 0
         for r in range(R):
-            h_in = buf[0] if cfg.disable_hyper else w[0] * buf[0] + w[1] * buf[1] + w[2] * buf[2]
-            if not cfg.disable_lie:
-                h_in = h_in + self.lie(loop_embedding(r, cfg.lie_dim, e.device, e.dtype))
-            block = self.core_at(r)
-            if cfg.self_attn_core:
-                delta = block(h_in, a.at(slot0 + r)) - h_in
-            else:
-                if cfg.unfreeze_kv:
-                    k, v = self.kv_proj(h_in)
-                    if cache is not None:
-                        k, v, _ = cache.extend(slot0 + r, k, v)
-                delta = block(h_in, k, v, a, offset)
-            out = delta + (h_in if cfg.core_update == "reference" else 0.0)
-            h = h_in + out if cfg.disable_lti else gate * h_in + out
-            buf = [h, buf[0], buf[1]]
+            with torch.set_grad_enabled(r >= frozen and torch.is_grad_enabled()):  # truncated backprop over passes
+                buf = self._pass(r, buf, w, gate, k, v, a, cache, offset, slot0)
             if states is not None:
-                states.append(h)
+                states.append(buf[0])
         return buf[0]
+
+    def _pass(self, r: int, buf: list[Tensor], w, gate, k, v, a: Attend, cache, offset: int, slot0: int) -> list[Tensor]:
+        """One core pass: blend, loop-index embedding, the core block, the gate; the new state buffer."""
+        cfg, e = self.cfg, buf[0]
+        h_in = buf[0] if cfg.disable_hyper else w[0] * buf[0] + w[1] * buf[1] + w[2] * buf[2]
+        if not cfg.disable_lie:
+            h_in = h_in + self.lie(loop_embedding(r, cfg.lie_dim, e.device, e.dtype))
+        block = self.core_at(r)
+        if cfg.self_attn_core:
+            delta = block(h_in, a.at(slot0 + r)) - h_in
+        else:
+            if cfg.unfreeze_kv:
+                k, v = self.kv_proj(h_in)
+                if cache is not None:
+                    k, v, _ = cache.extend(slot0 + r, k, v)
+            delta = block(h_in, k, v, a, offset)
+        out = delta + (h_in if cfg.core_update == "reference" else 0.0)
+        h = h_in + out if cfg.disable_lti else gate * h_in + out
+        return [h, buf[0], buf[1]]
 
     def body(self, tokens: Tensor, positions: Tensor, mask, cache=None, n_loops: int | None = None) -> Tensor:
         a = self.attend(positions, mask, cache)
         x = self.embed(tokens)
         for i, layer in enumerate(self.prelude):
             x = layer(x, a.at(i))
+        if self.cfg.dense:
+            return x
         offset = 0 if cache is None else cache.length
         h = self.loops(x, a, cache, offset, n_loops)
         return self.coda(h, a.at(self.cfg.n_layers))
 
     def new_state(self, batch_size: int) -> KVCache:
         cfg, p = self.cfg, self.embed.weight
-        anchors = cfg.n_loops if (cfg.unfreeze_kv or cfg.self_attn_core) else 1
+        anchors = 0 if cfg.dense else cfg.n_loops if (cfg.unfreeze_kv or cfg.self_attn_core) else 1
+        slots = cfg.n_layers + (0 if cfg.dense else 1) + anchors
         o = cfg.block_options(1)
-        return KVCache(cfg.n_layers + 1 + anchors, batch_size, o.kv_heads, cfg.max_seq_len, o.head_dim, p.device,
-                       p.dtype)
+        return KVCache(slots, batch_size, o.kv_heads, cfg.max_seq_len, o.head_dim, p.device, p.dtype)
 
 
 def parameter_counts(cfg: CARTConfig) -> dict[str, int]:
     """Spec §2.10's accounting: stored, the core's, the anchor projection's, effective at cfg.n_loops."""
     d, f, r = cfg.d_model, cfg.ffn, cfg.rank
+    if cfg.dense:
+        stored = cfg.vocab_size * d + cfg.n_layers * (4 * d * d + 3 * d * f + 2 * d) + d
+        return {"stored": stored, "core": 0, "kv": 0, "effective": stored}
     layer = 2 * d * d + 3 * d * r + 3 * d * f + 2 * d
     core = (2 * d * d + 3 * d * f + 2 * d) if not cfg.self_attn_core else layer
     kv = 0 if cfg.self_attn_core else 3 * d * r
@@ -217,30 +303,49 @@ def parameter_counts(cfg: CARTConfig) -> dict[str, int]:
 
 
 def flops_per_token(cfg: CARTConfig, seq_len: int, ctx=None) -> float:
-    """Training FLOPs per token (FLOPS_FORMULA)."""
-    d, R = cfg.d_model, cfg.n_loops
+    """Training FLOPs per token (FLOPS_FORMULA) at the step's R (its expected value without ctx); passes
+    run without gradient under truncated backprop count their forward only."""
+    d = cfg.d_model
+    if cfg.dense:
+        return 6.0 * (cfg.n_layers * (4 * d * d + 3 * d * cfg.ffn) + cfg.vocab_size * d) + 12.0 * cfg.n_layers * d * seq_len
+    R = cfg.expected_loops() if ctx is None else cfg.draw_loops(ctx)
     n = parameter_counts(cfg)
     layer = 2 * d * d + 3 * d * cfg.rank + 3 * d * cfg.ffn
     core = n["core"] - 2 * d
-    kv = n["kv"] * (R if cfg.unfreeze_kv else 1)
-    matmul = (cfg.n_layers + 1) * layer + R * core + kv + cfg.vocab_size * d + cfg.lie_dim * d * R
-    return 6.0 * matmul + 12.0 * (cfg.n_layers + 1 + R) * d * seq_len
+    kv = n["kv"]
+    fixed = (cfg.n_layers + 1) * layer + (0 if cfg.unfreeze_kv else kv) + cfg.vocab_size * d
+    per_pass = core + cfg.lie_dim * d + (n["kv"] if cfg.unfreeze_kv else 0)
+    trained = min(R, cfg.backprop_loops) if cfg.backprop_loops else R  # the rest run forward only: 2, not 6
+    passes = 6.0 * trained + 2.0 * (R - trained)
+    return 6.0 * fixed + passes * per_pass + 12.0 * (cfg.n_layers + 1) * d * seq_len + passes * 2 * d * seq_len
 
 
-FLOPS_FORMULA = ("6 * ((P + 1) * (2.75 d^2 + 3 d f) + R * (2 d^2 + 3 d f) + 0.75 d^2 + V d) + 12 * (P + 1 + R) * d * T: "
-                 "forward x 3, the P prelude layers and the coda (low-rank keys and values), R core passes (queries and "
-                 "output only), the anchor's keys and values once (R times with unfreeze_kv), the tied head, attention at "
-                 "length T in every layer and pass (d width, f SwiGLU width, V vocabulary)")
+FLOPS_FORMULA = ("6 * ((P + 1) * (2.75 d^2 + 3 d f) + 0.75 d^2 + V d) + 12 * (P + 1) * d * T + c * (2 d^2 + 3 d f + 32 d + "
+                 "2 d T) with c = 6 per pass with gradient and 2 per pass without (truncated backprop): forward x 3, the P "
+                 "prelude layers and the coda (low-rank keys and values), the anchor's keys and values once (in every "
+                 "pass with unfreeze_kv), R core passes (queries and output only, the loop-index projection), the tied "
+                 "head, attention at length T in every layer and pass; R is the step's draw, its expected value in "
+                 "`pretrain info` (d width, f SwiGLU width, V vocabulary). The Dense baseline: the baseline's formula")
 
 
-def effective_params(cfg: CARTConfig) -> int:
-    return parameter_counts(cfg)["effective"]
+def info(cfg: CARTConfig) -> list[str]:
+    n = parameter_counts(cfg)
+    if cfg.dense:
+        return ["the Dense baseline: no core, nothing counted more than once"]
+    return [f"effective parameters at R={cfg.n_loops}: {n['effective']:,} (the shared core counted once per pass, "
+            f"spec §2.10; {n['effective'] / n['stored']:.2f}x the {n['stored']:,} stored)"]
 
 
-def _recompute_units(model: CART) -> list[nn.Module]:
-    """Each prelude layer, each core pass (the shared block is checkpointed at every call) and the coda."""
-    core = list(model.core) if model.cfg.unshare_core else [model.core]
-    return [*model.prelude, *core, model.coda]
+def _core_units(model: CART) -> list[nn.Module]:
+    """The core block(s): checkpointed at every pass (a shared block is recomputed pass by pass)."""
+    if model.cfg.dense:
+        return list(model.prelude)
+    return list(model.core) if model.cfg.unshare_core else [model.core]
+
+
+def _block_units(model: CART) -> list[nn.Module]:
+    """Every block: the prelude's, each core pass and the coda."""
+    return list(model.prelude) if model.cfg.dense else [*model.prelude, *_core_units(model), model.coda]
 
 
 SPEC = register(ArchSpec(
@@ -249,13 +354,13 @@ SPEC = register(ArchSpec(
     build=CART,
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
-    formula_params=effective_params,
-    formula_params_note="effective (the shared core counted once per pass, spec §2.10)",
+    info=info,
+    progress=("rho", "loops"),
     decode=DecodeRelation("exact"),
     supports=Support(tp=False, sp=False, reasons={
         "tp": "the key/value bottleneck (kv_down, d -> d/4) is shared by every head, so tensor parallelism would "
               "have to replicate it and gather its latent (spec §5); not written",
         "sp": "sequence parallelism needs tensor parallelism, which CART refuses"}),
     tp_dims=None,
-    recompute_units=_recompute_units,
+    recompute_units={"pass": _core_units, "block": _block_units},
 ))

@@ -455,7 +455,6 @@ SPEC = register(ArchSpec(
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
     formula_params=paper_formula_params,
-    formula_params_note="by the paper's formula, which leaves out biases and norms",
     # eval_k=64: the parallel form with K >= T+1 passes for the registry test's shorter sequences
     decode=DecodeRelation("exact", config={"eval_k": 64}, why=(
         "streaming computes the recurrence's fixed point, which the K-pass parallel forward reaches at every "

@@ -82,7 +82,8 @@ class ArchSpec:
     # The parameter count by the paper's own formula where it counts differently from the model (CRT's
     # §3.1 counts matmul weights and the head, not biases and norms); `pretrain info` shows both.
     formula_params: Callable[[Any], int] | None = None
-    formula_params_note: str = "the paper's formula"  # what that count is, for `pretrain info`
+    # Lines of its own that `pretrain info` prints for a config (CART's effective parameter count at R)
+    info: Callable[[Any], list[str]] | None = None
     decode: DecodeRelation = DecodeRelation()
     progress: tuple[str, ...] = ()  # diagnostics shown on the progress line (all go to metrics.jsonl)
     supports: Support = Support()
