@@ -184,6 +184,37 @@ def refuse_under_tp(what: str, why: str) -> None:
         raise ValueError(f"{what} is not supported under tensor parallelism ({why})")
 
 
+def replicated_parameter(data: Tensor) -> nn.Parameter:
+    """A parameter every tensor-parallel rank holds whole (a gate, blend weights) acting on activations that
+    sequence parallelism slices: marked like the norms' weights, so its gradient, partial per slice, is
+    summed over the TP group under SP (replicated activations give every rank the whole gradient otherwise)."""
+    p = nn.Parameter(data)
+    lay = layout()
+    if lay.sp and lay.tp > 1:
+        p.sequence_parallel = True
+    return p
+
+
+class ReplicatedLinear(nn.Linear):
+    """y = x W^T with W whole on every tensor-parallel rank (a low-rank bottleneck every head reads, a
+    small projection added to the residual stream); its weight is marked like replicated_parameter's.
+    Initialised from the generator as the full matrix, the same on every rank."""
+
+    counts_as_embedding = False
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, init_std: float = 0.02,
+                 trunc: float = 0.0):
+        super().__init__(in_features, out_features, bias=bias)
+        self.init_std, self.trunc = init_std, trunc
+        self.reset_parameters()
+        lay = layout()
+        if lay.sp and lay.tp > 1:
+            for p in self.parameters():
+                p.sequence_parallel = True
+
+    reset_parameters = ColumnLinear.reset_parameters  # one draw from the generator, none before init_std is set
+
+
 def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     """The parameters whose gradients are partial under sequence parallelism, to be summed over the TP
     group: those their layer marked (which a layer does only when built under SP with tp > 1)."""

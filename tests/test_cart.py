@@ -211,7 +211,6 @@ def test_bad_input_is_refused_with_one_sentence():
         (["model.core_update=sometimes"], "model.core_update must be reference or paper"),
         (["model.n_loops=0"], "model.n_loops must be >= 1"),
         (["model.lie_dim=7"], "model.lie_dim must be an even number"),
-        (["parallel.tp=2"], "parallel.tp=2 is not supported (the key/value bottleneck"),
         (["model.window=4"], "model.window is not supported by CART"),
         (["model.n_layers=-1"], "model.n_layers must be >= 1"),
         (["model.d_model=130", "model.n_heads=2"], "model.d_model 130 is not divisible by 4 for the d/4 key/value latent"),

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from kernels.attention import Mask, attention
-from parallel.layers import ColumnLinear, LayerNorm, RMSNorm, RowLinear, local_heads, refuse_under_tp
+from parallel.layers import ColumnLinear, LayerNorm, ReplicatedLinear, RMSNorm, RowLinear, local_heads, refuse_under_tp
 
 NORMS = ("rms", "layer", "layer_nobias")
 INITS = ("normal", "mitchell", "plain")
@@ -185,9 +185,8 @@ class Attention(nn.Module):
         # q, then k | v. Created in this order, they draw from the generator what the fused q | k | v
         # projection they replaced did when d_model^2 is a multiple of 16 (normal_ fills blocks of 16).
         self.q = ColumnLinear(d, H * Dh, o.bias, init_std=o.in_std(d), trunc=o.trunc)
-        if not cross and o.kv_rank:  # the bottleneck is replicated state TP cannot split by heads
-            refuse_under_tp("a low-rank key/value projection (kv_rank)", "its shared bottleneck spans every head")
-            self.kv_down = ColumnLinear(d, o.kv_rank, o.bias, init_std=o.in_std(d), trunc=o.trunc)
+        if not cross and o.kv_rank:  # every head reads the bottleneck: whole on every TP rank, heads split after it
+            self.kv_down = ReplicatedLinear(d, o.kv_rank, o.bias, init_std=o.in_std(d), trunc=o.trunc)
             self.k_up = ColumnLinear(o.kv_rank, H_kv * Dh, o.bias, init_std=o.in_std(o.kv_rank), trunc=o.trunc)
             self.v_up = ColumnLinear(o.kv_rank, H_kv * Dh, o.bias, init_std=o.in_std(o.kv_rank), trunc=o.trunc)
         elif not cross:  # k | v stacked: TP gives every rank whole heads of both

@@ -30,11 +30,11 @@ import torch
 from torch import Tensor, nn
 
 from kernels.attention import causal
-from parallel.layers import ColumnLinear
+from parallel.layers import ColumnLinear, ReplicatedLinear, replicated_parameter
 from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp
-from pretrain.models.decoder import Decoder, DecoderConfig, KVCache
-from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+from pretrain.models.decoder import Decoder, DecoderConfig, KVCache, tp_dims
+from pretrain.models.registry import ArchSpec, DecodeRelation, register
 
 HEAD_DIM = 64
 
@@ -151,7 +151,7 @@ class AnchorKV(nn.Module):
 
     def __init__(self, o: BlockOptions):
         super().__init__()
-        self.kv_down = ColumnLinear(o.d_model, o.kv_rank, init_std=o.init_std)
+        self.kv_down = ReplicatedLinear(o.d_model, o.kv_rank, init_std=o.init_std)
         self.k_up = ColumnLinear(o.kv_rank, o.d_model, init_std=o.init_std)
         self.v_up = ColumnLinear(o.kv_rank, o.d_model, init_std=o.init_std)
         self.head_dim = o.head_dim
@@ -190,9 +190,9 @@ class CART(Decoder):
             self.kv_proj = AnchorKV(o)
         core = (lambda: Block(o)) if cfg.self_attn_core else (lambda: CoreBlock(o))
         self.core = nn.ModuleList(core() for _ in range(cfg.n_loops)) if cfg.unshare_core else core()
-        self.hyper = nn.Parameter(torch.tensor([1.0, 0.0, 0.0]))  # raw; softmax at use (spec §7.4)
-        self.a = nn.Parameter(torch.full((cfg.d_model,), math.log(9.0)))  # sigmoid(a) = 0.9
-        self.lie = ColumnLinear(cfg.lie_dim, cfg.d_model, init_std=cfg.init_std)
+        self.hyper = replicated_parameter(torch.tensor([1.0, 0.0, 0.0]))  # raw; softmax at use (spec §7.4)
+        self.a = replicated_parameter(torch.full((cfg.d_model,), math.log(9.0)))  # sigmoid(a) = 0.9
+        self.lie = ReplicatedLinear(cfg.lie_dim, cfg.d_model, init_std=cfg.init_std)
         self.coda = Block(o)
 
     def applications(self) -> list[nn.Module]:
@@ -357,10 +357,6 @@ SPEC = register(ArchSpec(
     info=info,
     progress=("rho", "loops"),
     decode=DecodeRelation("exact"),
-    supports=Support(tp=False, sp=False, reasons={
-        "tp": "the key/value bottleneck (kv_down, d -> d/4) is shared by every head, so tensor parallelism would "
-              "have to replicate it and gather its latent (spec §5); not written",
-        "sp": "sequence parallelism needs tensor parallelism, which CART refuses"}),
-    tp_dims=None,
+    tp_dims=tp_dims,
     recompute_units={"pass": _core_units, "block": _block_units},
 ))
