@@ -5,6 +5,8 @@ torch is imported inside the verbs, so `pretrain --help` answers at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import sys
 
@@ -117,7 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--unigram-entropy", action="store_true",
                    help="also print the unigram entropy of the validation tokens: a model that learned "
                    "context scores well below it")
-    e.add_argument("--json", action="store_true", help="print one JSON object")
+    e.add_argument("--sweep", metavar="FIELD=V1,V2,...",
+                   help="evaluate the same weights at each value of one inference field and print a table, e.g. "
+                   "--sweep model.n_loops=2,4,6,8,10,12,14,16 (CART's R') or --sweep model.eval_k=1,2,4,8 (CRT); "
+                   "every value is checked before the first evaluation")
+    e.add_argument("--json", action="store_true", help="print one JSON object (a list of them with --sweep)")
 
     g = verb("generate", "sample text from a checkpoint with a KV cache",
              "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40\n\n"
@@ -253,12 +259,43 @@ def _train(args) -> int:
     return 0
 
 
+def _sweep(args) -> int:
+    """`pretrain eval --sweep FIELD=V1,V2,...`: the validation loss of the same weights at each value."""
+    from pretrain.generate import load_for_inference
+
+    field, _, values = args.sweep.partition("=")
+    values = [v for v in values.split(",") if v]
+    if not field or not values or field in {o.split("=", 1)[0] for o in args.overrides}:
+        raise ValueError(f"--sweep {args.sweep!r}: give one field and its values, FIELD=V1,V2,... (a field the "
+                         "overrides do not also set)")
+    for v in values:  # every value is refused or accepted before the first evaluation
+        load_for_inference(args.path, overrides=[*args.overrides, f"{field}={v}"], need=("tokenizer", "eval"),
+                           log=lambda *_: None)
+    rows = []
+    for v in values:
+        one = argparse.Namespace(**{**vars(args), "sweep": None, "json": True,
+                                    "overrides": [*args.overrides, f"{field}={v}"]})
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            _eval(one)
+        rows.append({field: v, **json.loads(buffer.getvalue())})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{field:>20} {'val loss':>10} {'perplexity':>11}")
+    for row in rows:
+        print(f"{row[field]:>20} {row['val_loss']:>10.4f} {row['val_ppl']:>11.2f}")
+    return 0
+
+
 def _eval(args) -> int:
     from pretrain.data.build import valid_dataset
     from pretrain.generate import load_for_inference
     from pretrain.tasks import accuracy_line, evaluate_accuracy
     from pretrain.trainer import collator_for, evaluate_loss
 
+    if getattr(args, "sweep", None):
+        return _sweep(args)
     model, spec, cfg, _ = load_for_inference(args.path, overrides=args.overrides, need=("tokenizer", "eval"))
     if args.unigram_entropy and cfg.data.task:
         raise ValueError(f"--unigram-entropy reads validation files; this run trains on data.task={cfg.data.task}")

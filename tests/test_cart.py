@@ -298,3 +298,32 @@ def test_truncated_backprop_takes_no_gradient_from_the_first_passes():
     full.zero_grad()
     full.logits(tokens).square().mean().backward()
     assert not torch.allclose(full.core.ffn.down.weight.grad, truncated["core.ffn.down.weight"])
+
+
+def test_eval_sweeps_R_on_a_run_and_on_an_exported_folder_and_refuses_what_cannot_run(tmp_path, capsys):
+    import json
+
+    from pretrain.cli import main
+    from pretrain.trainer import Trainer
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov")
+    base = {"model.d_model": 64, "model.n_heads": 1, "train.max_steps": 3, "train.eval_every": 0,
+            "checkpoint.every": 0, "schedule.warmup_steps": 1}
+    Trainer(load_config("cart/tiny", tiny_overrides(tmp_path, corpus, **base)), log=lambda *_: None).fit()
+    run = str(tmp_path / "run")
+    assert main(["export", run, str(tmp_path / "exported")]) == 0
+    capsys.readouterr()
+    for path in (run, str(tmp_path / "exported")):
+        assert main(["eval", path, "--batches", "1", "--sweep", "model.n_loops=1,4,20", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [r["model.n_loops"] for r in rows] == ["1", "4", "20"] and len({r["val_loss"] for r in rows}) == 3
+    assert main(["eval", run, "--batches", "1", "--sweep", "model.n_loops=4"]) == 0
+    assert "model.n_loops" in capsys.readouterr().out
+    # an unshared core has one block per pass: another R changes the weights' shapes, refused before any work
+    Trainer(load_config("cart/tiny", tiny_overrides(tmp_path, corpus, **base, **{
+        "model.unshare_core": "true", "train.run_dir": str(tmp_path / "unshared")})), log=lambda *_: None).fit()
+    assert main(["eval", str(tmp_path / "unshared"), "--batches", "1", "--sweep", "model.n_loops=4,5"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "model.n_loops" in err and "\n" not in err.strip() and "val loss" not in captured.out
