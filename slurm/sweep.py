@@ -7,6 +7,9 @@
     grid: {optim.lr: [1.0e-3, 3.0e-3], model.d_model: [64, 128]}
     root: runs/sweeps            # optional; points go to ROOT/NAME/<point>
 
+A grid entry whose values are mappings sets several fields together at each of its points (fields
+that must move as one, a width with its head count): `width: [{model.d_model: 256, model.n_heads: 4}, ...]`.
+
     python -m slurm.submit sweep sweep.yaml --profile P.yaml   # renders and submits the array
     python -m slurm.sweep status runs/sweeps/lr-width          # each point's state and final val loss
 """
@@ -54,9 +57,12 @@ def expand(spec: dict) -> list[dict]:
     fields = list(spec["grid"])
     points = []
     for i, values in enumerate(itertools.product(*(spec["grid"][f] for f in fields))):
-        name = f"p{i:02d}-" + "-".join(_short(f, v) for f, v in zip(fields, values))
+        name = f"p{i:02d}-" + "-".join(_short(f, "_".join(map(str, v.values())) if isinstance(v, dict) else v)
+                                       for f, v in zip(fields, values))
         run_dir = os.path.join(root, name)
-        over = list(spec.get("overrides") or []) + [f"{f}={v}" for f, v in zip(fields, values)]
+        over = list(spec.get("overrides") or [])
+        for f, v in zip(fields, values):
+            over += [f"{k}={x}" for k, x in v.items()] if isinstance(v, dict) else [f"{f}={v}"]
         points.append({"name": name, "run_dir": run_dir,
                        "overrides": over + [f"train.name={name}", f"train.run_dir={run_dir}"]})
     return points

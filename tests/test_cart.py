@@ -327,3 +327,19 @@ def test_eval_sweeps_R_on_a_run_and_on_an_exported_folder_and_refuses_what_canno
     captured = capsys.readouterr()
     err = captured.err
     assert "model.n_loops" in err and "\n" not in err.strip() and "val loss" not in captured.out
+
+
+def test_the_stage1_grid_is_a_64_point_sweep_whose_points_load():
+    import os
+
+    from slurm.sweep import expand, load_sweep
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    points = expand(load_sweep(os.path.join(root, "configs", "cart", "sweeps", "stage1.yaml")))
+    assert len(points) == 64 and len({p["name"] for p in points}) == 64
+    seen = set()
+    for p in points[::9]:
+        cfg = load_config("cart/d256-r6", p["overrides"], check_data=False).model
+        assert cfg.d_model == 64 * cfg.n_heads and cfg.n_loops in (2, 4, 6, 8) and cfg.n_layers in (2, 3, 4, 6)
+        seen.add(cfg.d_model)
+    assert seen == {256, 512, 768, 1024}
