@@ -343,3 +343,27 @@ def test_the_stage1_grid_is_a_64_point_sweep_whose_points_load():
         assert cfg.d_model == 64 * cfg.n_heads and cfg.n_loops in (2, 4, 6, 8) and cfg.n_layers in (2, 3, 4, 6)
         seen.add(cfg.d_model)
     assert seen == {256, 512, 768, 1024}
+
+
+def test_frozen_kv_equals_recomputing_the_anchor_in_every_pass_bitwise():
+    model, tokens = model_of(torch.float32), tokens_of()
+    with torch.no_grad():
+        frozen = model.logits(tokens)
+    anchor = {}
+    loops, forward = CART.loops, CoreBlock.forward
+
+    def keep_e(self, e, *rest, **kw):
+        anchor["e"] = e
+        return loops(self, e, *rest, **kw)
+
+    def recompute(self, h, k, v, a, offset):
+        k, v = model.kv_proj(anchor["e"])  # kv_proj(e) again, inside this pass
+        return forward(self, h, k, v, a, offset)
+
+    CART.loops, CoreBlock.forward = keep_e, recompute
+    try:
+        with torch.no_grad():
+            again = model.logits(tokens)
+    finally:
+        CART.loops, CoreBlock.forward = loops, forward
+    assert torch.equal(frozen, again)
