@@ -108,6 +108,17 @@ def latest_step(run_dir: str) -> int:
     return 0 if path is None else int(read_meta(path)["step"])
 
 
+def planned_steps(run_dir: str) -> float:
+    """train.max_steps of the run's stored config (infinite when it cannot be read)."""
+    import yaml
+
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            return int(yaml.safe_load(f)["train"]["max_steps"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return float("inf")
+
+
 def git_revision() -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
@@ -163,6 +174,11 @@ def end(run_dir: str, rc: int, stopped: bool, start_step: int, max_restarts: int
     append_history(run_dir, record)
     if rc == 0 and not stopped:
         return EXIT_DONE, f"job {job}: training finished at step {step}"
+    if not stopped and rc != EXIT_REQUEUE and step and step >= planned_steps(run_dir):
+        # the run is complete; a launcher that fails while shutting down after it (torchrun's agents losing
+        # their rendezvous store as the head node's agent exits first) must not requeue a finished run
+        return EXIT_DONE, (f"job {job}: training finished at step {step} (the launcher then exited with code {rc}, "
+                           "after the run was complete)")
     fruitless = fruitless_ends(history)
     from data_tools.storage import EXIT_STORAGE
 

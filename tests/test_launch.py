@@ -123,6 +123,21 @@ def test_a_requeue_loop_gives_up_with_a_message(tmp_path, monkeypatch):
                         env={"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "localhost"})
 
 
+def test_a_launcher_failing_after_a_complete_run_does_not_requeue_it(tmp_path, monkeypatch):
+    run = str(tmp_path / "run")
+    os.makedirs(os.path.join(run, "slurm"))
+    (tmp_path / "run" / "config.yaml").write_text("train:\n  max_steps: 60\n")
+    calls = []
+    monkeypatch.setattr(slurm_job.subprocess, "run", lambda argv, **kw: calls.append(argv) or
+                        subprocess.CompletedProcess(argv, 0, "", ""))
+    monkeypatch.setattr(slurm_job, "latest_step", lambda run_dir: 60)
+    code, message = slurm_job.end(run, 1, False, 40, max_restarts=2, env={"SLURM_JOB_ID": "7"})
+    assert code == slurm_job.EXIT_DONE and "finished at step 60" in message and "exited with code 1" in message
+    assert calls == []  # not requeued
+    monkeypatch.setattr(slurm_job, "latest_step", lambda run_dir: 50)  # incomplete: requeued as before
+    assert slurm_job.end(run, 1, False, 40, max_restarts=2, env={"SLURM_JOB_ID": "7"})[0] == slurm_job.EXIT_REQUEUED
+
+
 def test_progress_resets_the_restart_count(tmp_path, monkeypatch):
     run = str(tmp_path / "run")
     os.makedirs(os.path.join(run, "slurm"))
