@@ -251,12 +251,20 @@ def _train(args) -> int:
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
 
-    trainer = Trainer(load_config(args.config, args.overrides))
-    record = trainer.fit()
-    if "val_loss" in record:
-        trainer.log(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} "
-              f"(ppl {record['val_ppl']:.1f})")
-    return 0
+    try:
+        trainer = Trainer(load_config(args.config, args.overrides))
+        record = trainer.fit()
+        if "val_loss" in record:
+            trainer.log(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss "
+                        f"{record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})")
+        return 0
+    finally:
+        # a gloo process group left to the interpreter's exit can abort the process ("terminate called
+        # without an active exception"), which fails the launcher after a finished run
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _sweep(args) -> int:
