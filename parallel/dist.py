@@ -15,6 +15,7 @@ import datetime
 import os
 import re
 import socket
+import sys
 from dataclasses import dataclass
 
 from data_tools.errors import first_line
@@ -139,6 +140,26 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return env
+
+
+def exit_process(code: int) -> None:
+    """End a program that may hold a process group: flushed, then os._exit when one is initialized.
+
+    Tearing a gloo group down is not safe at the end of a run: DDP's reducer frees the group while
+    holding the GIL and joins its worker thread, which may still be freeing the last broadcast's
+    tensors and so waits for the GIL (a deadlock, seen under load in the Slurm reference job); left
+    to the interpreter's exit, the same threads abort the process ("terminate called without an
+    active exception"), failing a finished job. Everything the run writes is closed (and renamed
+    into place) before this point, so skipping the destructors loses nothing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    torch_dist = sys.modules.get("torch.distributed")
+    if torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized():
+        mpi = sys.modules.get("mpi4py.MPI")  # mpirun fails a rank that exits without MPI_Finalize
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+        os._exit(code)
+    sys.exit(code)
 
 
 class CollectiveError(RuntimeError):

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import sys
+import traceback
 
 from data_tools.storage import EXIT_STORAGE, StorageError
 
@@ -186,6 +187,21 @@ def main(argv: list[str] | None = None) -> int:
         from pretrain.malloc import use_caching_allocator
 
         use_caching_allocator()
+    if argv is None and args.verb == "train":  # the program: leave without tearing down the process group
+        from parallel.dist import exit_process
+
+        try:
+            code = _run(args)
+        except BaseException as e:  # noqa: BLE001  (printed as the interpreter would, then the same exit)
+            code = e.code if isinstance(e, SystemExit) else 1
+            if not isinstance(e, SystemExit):
+                traceback.print_exc()
+        exit_process(code)
+    return _run(args)
+
+
+def _run(args) -> int:
+    """The verb's handler, its expected failures turned into one line and an exit code."""
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info,
                 "export": _export, "import": _import}
     try:
@@ -251,20 +267,12 @@ def _train(args) -> int:
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
 
-    try:
-        trainer = Trainer(load_config(args.config, args.overrides))
-        record = trainer.fit()
-        if "val_loss" in record:
-            trainer.log(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss "
-                        f"{record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})")
-        return 0
-    finally:
-        # a gloo process group left to the interpreter's exit can abort the process ("terminate called
-        # without an active exception"), which fails the launcher after a finished run
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    trainer = Trainer(load_config(args.config, args.overrides))
+    record = trainer.fit()
+    if "val_loss" in record:
+        trainer.log(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} "
+                    f"(ppl {record['val_ppl']:.1f})")
+    return 0
 
 
 def _sweep(args) -> int:

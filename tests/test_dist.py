@@ -1,4 +1,7 @@
 """Process groups from torchrun, Slurm and MPI environments; collectives that fail say who and what."""
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -59,3 +62,25 @@ def _stuck_peer_body(rank, world_size):
 def test_a_stuck_peer_is_reported_with_rank_and_operation():
     msg, _ = run_ranks(_stuck_peer_body, 2, env={"TEST_DIST_TIMEOUT": "3"})
     assert msg.startswith("rank 0: collective 'all_reduce(loss)' failed (") and "\n" not in msg
+
+
+_EXIT_PROGRAM = r"""
+import sys, tempfile, torch, torch.distributed as dist
+from parallel.dist import exit_process
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # its reducer holds the group
+model(torch.ones(2, 4)).sum().backward()
+print("trained", end="")  # unflushed: exit_process flushes before leaving
+exit_process(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_process_leaves_a_process_group_with_its_code_and_output(code):
+    """A program holding a gloo group (DDP's reducer) leaves through exit_process: its exit code and
+    its last output kept, no teardown of the group (which can deadlock or abort at exit)."""
+    res = subprocess.run([sys.executable, "-c", _EXIT_PROGRAM, str(code)], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == code, res.stderr
+    assert res.stdout == "trained"
+    assert "terminate called" not in res.stderr
