@@ -231,9 +231,11 @@ class LMHead(nn.Module):
 
     counts_as_embedding = True
 
-    def __init__(self, dim: int, vocab_size: int, tied: nn.Module | None = None, init_std: float = 0.02):
+    def __init__(self, dim: int, vocab_size: int, tied: nn.Module | None = None, init_std: float = 0.02,
+                 loss_chunk: int = 0):
         super().__init__()
         self.vocab_size = vocab_size
+        self.loss_chunk = loss_chunk  # > 0: the loss chunk positions at a time, no [N, V] logits kept
         lay = layout()
         if tied is not None:
             self.weight = tied.weight
@@ -271,14 +273,16 @@ class LMHead(nn.Module):
         return logits
 
     def loss(self, h: Tensor, labels: Tensor, loss_mask: Tensor | None = None) -> Tensor:
-        """Mean cross-entropy over the positions where loss_mask is True (all when None)."""
-        logits = self._local_logits(h)
-        if layout().megatron_layers:
-            from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        """Mean cross-entropy over the positions where loss_mask is True (all when None): the kernel op
+        lm_loss (kernels/lm_loss: whole logits, or chunked with model.loss_chunk), vocab-parallel
+        under megatron's layers."""
+        if not layout().megatron_layers:
+            from kernels.lm_loss import lm_loss
 
-            per_token = vocab_parallel_cross_entropy(logits.contiguous(), labels).reshape(-1)
-        else:
-            per_token = F.cross_entropy(logits.flatten(0, -2), labels.reshape(-1), reduction="none")
+            return lm_loss(h, self.weight, labels, loss_mask, chunk=self.loss_chunk)
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        per_token = vocab_parallel_cross_entropy(self._local_logits(h).contiguous(), labels).reshape(-1)
         if loss_mask is None:
             return per_token.mean()
         mask = loss_mask.reshape(-1).to(per_token.dtype)

@@ -45,6 +45,9 @@ class DecoderConfig(ModelConfig):
     document_mask: bool = False  # attend only within a document of the packed sample
     window: int = 0  # sliding attention window in keys, the query's own included (0 = unlimited)
     init_std: float = 0.02
+    # > 0: the training loss this many positions at a time, its gradient computed in the forward
+    # (kernels/lm_loss "chunked"): no [tokens, vocab] logits kept; 0: all at once (the reference)
+    loss_chunk: int = 0
 
     @property
     def ffn(self) -> int:
@@ -76,6 +79,9 @@ class DecoderConfig(ModelConfig):
         if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
             raise ValueError(f"model.n_kv_heads {self.n_kv_heads} must divide model.n_heads {self.n_heads} "
                              "(or be 0 for n_heads)")
+        if self.loss_chunk < 0:
+            raise ValueError(f"model.loss_chunk must be >= 0 (positions per chunk of the loss; 0 = all at once), "
+                             f"got {self.loss_chunk}")
         if self.window < 0:
             raise ValueError(f"model.window must be >= 0 (0 = unlimited attention), got {self.window}")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
@@ -138,7 +144,7 @@ class Decoder(nn.Module):
         self.embed = VocabEmbedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std)
         self.norm = self.make_norm(cfg.d_model)
         self.head = LMHead(cfg.d_model, cfg.vocab_size, tied=self.embed if cfg.tie_embeddings else None,
-                           init_std=cfg.init_std)
+                           init_std=cfg.init_std, loss_chunk=cfg.loss_chunk)
         self.rope = Rope(options.head_dim, cfg.max_seq_len, cfg.rope_theta) if options.positions == "rope" else None
 
     def make_norm(self, dim: int) -> nn.Module:
