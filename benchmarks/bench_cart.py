@@ -19,19 +19,22 @@ the formula (cart.parameter_counts) and counted on the model.
 
 train: one step = forward + backward + fused AdamW step + zero_grad on the same fixed batch (random
 ids). CART at R = 2, 6, 10, CART R=10 under the registry's recompute policy "pass" (each core pass
-checkpointed), and the Dense baseline. One warm-up step each, then --rounds rounds, the order reversed
-every other round (the load here drifts); median step times, and "x Dense": the median over rounds of
-the ratio to Dense's step in the same round (the RATIO lines). Beside them the registry's FLOPs per
-token (cart.flops_per_token), whose ratio is what the step-time ratio would be if every FLOP cost
-the same.
+checkpointed whole, and the prelude's and coda's blocks), under policy "loop" (only the core
+passes), R=10 and R=10 pass with model.loss_chunk=--loss-chunk, and the Dense baseline. One warm-up
+step each, then --rounds rounds, the order reversed every other round (the load here drifts); median
+step times, and "x Dense": the median over rounds of the ratio to Dense's step in the same round
+(the RATIO lines). Beside them the registry's FLOPs per token (cart.flops_per_token), whose ratio is
+what the step-time ratio would be if every FLOP cost the same.
 
-memory: one training step at R=10 (and at R=1, to split out what each extra pass costs, and so, by a
-linear model, from which R the policy would halve the memory), recompute policy none and pass, each
-configuration in a fresh process under glibc malloc (MALLOC_ARENA_MAX=1, nothing preloaded, and a
-fixed MALLOC_MMAP_THRESHOLD_ of 64 KiB with malloc_trim before each measured step, so RSS follows use
-step after step). A one-token step first allocates the weights' gradients and AdamW moments (kept:
-zero_grad(set_to_none=False)); the peak is VmHWM after the step (reset to the
-current RSS just before it through /proc/self/clear_refs, bench_rt.reset_peak) minus VmRSS before it
+memory: one training step at R=10 (and at R=1, to split out what each extra pass costs), recompute
+policies none, loop (each core pass checkpointed whole: blend, loop-index embedding, core block,
+gate) and pass (loop's passes and the prelude's and coda's blocks), with the whole-logits loss and
+with model.loss_chunk=--loss-chunk (kernels/lm_loss, no [N, V] logits kept), each configuration in a
+fresh process under glibc malloc (MALLOC_ARENA_MAX=1, nothing preloaded, and a fixed
+MALLOC_MMAP_THRESHOLD_ of 64 KiB with malloc_trim before each measured step, so RSS follows use step
+after step). A one-token step first allocates the weights' gradients and AdamW moments (kept:
+zero_grad(set_to_none=False)); the peak is VmHWM after the step (reset to the current RSS just
+before it through /proc/self/clear_refs, bench_rt.reset_peak) minus VmRSS before it
 (benchmarks/procmem.py). --mem-rounds processes per configuration, alternating; medians. The issue's
 target for per-pass recompute: at most half the activation memory (<= 0.50x) for at most 40% more
 step time (<= 1.40x, from the train section's paired rounds).
@@ -126,7 +129,11 @@ def train_models(a) -> dict[str, tuple[CARTConfig, str]]:
     models = {f"Dense {L}L": (cart_cfg(a, dense=True, n_layers=L), "none")}
     for R in (2, 6, 10):
         models[f"CART R={R}"] = (cart_cfg(a, n_loops=R), "none")
+    models["CART R=10 loop"] = (cart_cfg(a, n_loops=10), "loop")
     models["CART R=10 pass"] = (cart_cfg(a, n_loops=10), "pass")
+    if a.loss_chunk:
+        models["CART R=10 chunk"] = (cart_cfg(a, n_loops=10, loss_chunk=a.loss_chunk), "none")
+        models["CART R=10 pass chunk"] = (cart_cfg(a, n_loops=10, loss_chunk=a.loss_chunk), "pass")
     return models
 
 
@@ -136,12 +143,12 @@ def bench_train(a) -> None:
     print(f"\n# the models: d={a.d_model} H={a.d_model // 64} P={a.prelude} (+1 coda layer), FFN {cart_cfg(a).ffn}, "
           f"key/value latent {cart_cfg(a).rank}, vocab {a.vocab}, T={a.seq}; the Dense baseline: model.dense=true "
           f"with the L closest in stored parameters")
-    print(f"{'model':<16} {'stored (formula)':>17} {'stored (counted)':>17} {'effective':>12} {'x Dense stored':>15} "
+    print(f"{'model':<20} {'stored (formula)':>17} {'stored (counted)':>17} {'effective':>12} {'x Dense stored':>15} "
           f"{'MFLOP/token':>12}")
     ref = parameter_counts(specs[dense][0])["stored"]
     for name, (cfg, _) in specs.items():
         n = parameter_counts(cfg)
-        print(f"{name:<16} {n['stored']:>17,} {counted(cfg):>17,} {n['effective']:>12,} "
+        print(f"{name:<20} {n['stored']:>17,} {counted(cfg):>17,} {n['effective']:>12,} "
               f"{n['stored'] / ref:>14.3f}x {mflop(cfg, a):>12.0f}")
     models = {name: build(cfg, policy) for name, (cfg, policy) in specs.items()}
     opts = {n: adamw(m) for n, m in models.items()}
@@ -163,12 +170,12 @@ def bench_train(a) -> None:
           f"({load()})")
     print("# x Dense: median over rounds of the ratio to Dense's step in the same round; by min: ratio of the fastest "
           "steps; FLOPs x Dense: the ratio of the registry's FLOPs per token")
-    print(f"{'model':<16} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'tokens/s':>9} {'x Dense':>8} {'by min':>7} "
+    print(f"{'model':<20} {'median ms':>10} {'min ms':>8} {'max ms':>8} {'tokens/s':>9} {'x Dense':>8} {'by min':>7} "
           f"{'FLOPs x Dense':>14}")
     fd = mflop(specs[dense][0], a)
     for n in models:
         t = times[n]
-        print(f"{n:<16} {med[n] * 1e3:>10,.0f} {min(t) * 1e3:>8,.0f} {max(t) * 1e3:>8,.0f} {tokens / med[n]:>9,.0f} "
+        print(f"{n:<20} {med[n] * 1e3:>10,.0f} {min(t) * 1e3:>8,.0f} {max(t) * 1e3:>8,.0f} {tokens / med[n]:>9,.0f} "
               f"{paired(times, n, dense):>7.2f}x {min(t) / min(times[dense]):>6.2f}x "
               f"{mflop(specs[n][0], a) / fd:>13.2f}x")
     for R in (2, 6, 10):
@@ -176,8 +183,14 @@ def bench_train(a) -> None:
         print(f"RATIO {n}/{dense} step time = {paired(times, n, dense):.2f}x (by min "
               f"{min(times[n]) / min(times[dense]):.2f}x; FLOPs {mflop(specs[n][0], a) / fd:.2f}x; stored parameters "
               f"{parameter_counts(specs[n][0])['stored'] / parameter_counts(specs[dense][0])['stored']:.3f}x)")
-    print(f"RATIO CART R=10 recompute pass/none step time = {paired(times, 'CART R=10 pass', 'CART R=10'):.2f}x "
-          f"(by min {min(times['CART R=10 pass']) / min(times['CART R=10']):.2f}x; target <= 1.40x)")
+    for policy, suffix, loss in (("loop", "", "whole logits"), ("pass", "", "whole logits"),
+                                 ("pass", " chunk", f"model.loss_chunk={a.loss_chunk}")):
+        n, base = f"CART R=10 {policy}{suffix}", f"CART R=10{suffix}"
+        if n in times:
+            print(f"RATIO CART R=10 recompute {policy}/none step time, loss {loss} = {paired(times, n, base):.2f}x "
+                  f"(by min {min(times[n]) / min(times[base]):.2f}x; target <= 1.40x)")
+    if "CART R=10 chunk" in times:
+        print(f"RATIO CART R=10 loss chunked/whole step time = {paired(times, 'CART R=10 chunk', 'CART R=10'):.2f}x")
 
 
 # -- fresh processes ------------------------------------------------------------------------------------
@@ -230,42 +243,47 @@ def child(a) -> None:
 
 # -- memory -------------------------------------------------------------------------------------------
 def bench_memory(a) -> None:
-    configs = [(10, "none"), (10, "pass"), (1, "none"), (1, "pass")]
+    chunks = (0, a.loss_chunk) if a.loss_chunk else (0,)
+    configs = [(R, policy, c) for c in chunks for R in (10, 1) for policy in ("none", "loop", "pass")]
     res = {c: [] for c in configs}
     print(f"memory ({load()}):", flush=True)
     for r in range(a.mem_rounds):
-        for R, policy in (configs if r % 2 == 0 else configs[::-1]):
-            res[(R, policy)].append(run_child(a, policy, n_loops=R)[0])
-            print(f"  R={R} {policy}: {res[(R, policy)][-1]['mb']:,.0f} MB", flush=True)
+        for R, policy, c in (configs if r % 2 == 0 else configs[::-1]):
+            res[(R, policy, c)].append(run_child(a, policy, n_loops=R, loss_chunk=c)[0])
+            print(f"  R={R} {policy} loss_chunk={c}: {res[(R, policy, c)][-1]['mb']:,.0f} MB", flush=True)
     med = {c: {k: statistics.median(x[k] for x in rs) for k in ("mb", "before_mb", "s")} for c, rs in res.items()}
     reset = all(x["hwm_reset"] for rs in res.values() for x in rs)
     B, T, d = a.batch, a.seq, a.d_model
     print(f"\n# peak activation memory of one training step (VmHWM after the step, {'reset' if reset else 'NOT reset'} "
           f"just before it, minus VmRSS before it; weights, gradients and AdamW moments already allocated), d={d} "
           f"P={a.prelude}, micro-batch {B} x T={T}, fresh process per configuration under glibc malloc, median of "
-          f"{a.mem_rounds}. For scale: the fp32 logits [B, T, V] are {B * T * a.vocab * 4 / 2**20:,.0f} MB (the loss "
-          f"keeps them and their softmax's gradient), one [B, T, d] state {B * T * d * 4 / 2**20:.1f} MB")
-    print(f"{'R':>3} {'recompute':<28} {'RSS before MB':>14} {'activation MB':>14} {'x none':>7} {'child step s':>13}")
-    for (R, policy), m in med.items():
-        label = "pass (each core pass)" if policy == "pass" else policy
-        print(f"{R:>3} {label:<28} {m['before_mb']:>14,.0f} {m['mb']:>14,.0f} "
-              f"{m['mb'] / med[(R, 'none')]['mb']:>6.2f}x {m['s']:>13.2f}")
-    per = {p: (med[(10, p)]["mb"] - med[(1, p)]["mb"]) / 9 for p in ("none", "pass")}
+          f"{a.mem_rounds}. For scale: the fp32 logits [B, T, V] are {B * T * a.vocab * 4 / 2**20:,.0f} MB (the whole-"
+          f"logits loss keeps them and their softmax's gradient; model.loss_chunk=N keeps none: N x V at a time), one "
+          f"[B, T, d] state {B * T * d * 4 / 2**20:.1f} MB")
+    print(f"{'R':>3} {'recompute':<22} {'loss':<16} {'RSS before MB':>14} {'activation MB':>14} {'x none':>7} "
+          f"{'child step s':>13}")
+    for (R, policy, c), m in med.items():
+        label = {"pass": "pass (passes + blocks)", "loop": "loop (each core pass)"}.get(policy, policy)
+        loss = f"loss_chunk={c}" if c else "whole logits"
+        print(f"{R:>3} {label:<22} {loss:<16} {m['before_mb']:>14,.0f} {m['mb']:>14,.0f} "
+              f"{m['mb'] / med[(R, 'none', c)]['mb']:>6.2f}x {m['s']:>13.2f}")
     print("(child step s: the measured step in its process, every large block mmapped afresh: slower than the train "
           "section's, which is the one to compare)")
-    print(f"per extra core pass ((R=10 - R=1) / 9): {per['none']:,.1f} MB without recompute, {per['pass']:,.1f} MB "
-          f"with "
-          f"policy pass ({per['pass'] / per['none']:.2f}x); the rest of the R=10 step (prelude, anchor, coda, head, "
-          f"loss, one pass): {med[(10, 'none')]['mb'] - 9 * per['none']:,.0f} MB without, "
-          f"{med[(10, 'pass')]['mb'] - 9 * per['pass']:,.0f} MB with")
-    rest = {p: med[(10, p)]["mb"] - 9 * per[p] for p in ("none", "pass")}
-    if per["none"] > 2 * per["pass"] and rest["pass"] > rest["none"] / 2:
-        R_half = 1 + math.ceil((rest["pass"] - rest["none"] / 2) / (per["none"] / 2 - per["pass"]))
-        print(f"by that linear model, policy pass halves the activation memory from R = {R_half} on (the rest does not "
-              f"shrink with recompute; the core passes do)")
-    print(f"RATIO CART R=10 recompute pass/none activation memory = "
-          f"{med[(10, 'pass')]['mb'] / med[(10, 'none')]['mb']:.2f}x (target <= 0.50x; the step-time ratio is the "
-          f"train section's RATIO line, target <= 1.40x)")
+    for c in chunks:
+        loss = f"model.loss_chunk={c}" if c else "the whole-logits loss"
+        per = {p: (med[(10, p, c)]["mb"] - med[(1, p, c)]["mb"]) / 9 for p in ("none", "loop", "pass")}
+        rest = {p: med[(10, p, c)]["mb"] - 9 * per[p] for p in ("none", "loop", "pass")}
+        print(f"with {loss}: per extra core pass ((R=10 - R=1) / 9) {per['none']:,.1f} MB without recompute, "
+              f"{per['loop']:,.1f} MB with policy loop, {per['pass']:,.1f} MB with policy pass; the rest of the R=10 "
+              f"step (prelude, anchor, coda, head, loss, one pass): {rest['none']:,.0f} MB without, "
+              f"{rest['loop']:,.0f} MB with loop, {rest['pass']:,.0f} MB with pass")
+        for policy in ("loop", "pass"):
+            print(f"RATIO CART R=10 recompute {policy}/none activation memory, {loss} = "
+                  f"{med[(10, policy, c)]['mb'] / med[(10, 'none', c)]['mb']:.2f}x (target <= 0.50x; the step-time "
+                  f"ratio is the train section's RATIO line, target <= 1.40x)")
+    if a.loss_chunk:
+        print(f"RATIO CART R=10 recompute pass + model.loss_chunk={a.loss_chunk} / neither, activation memory = "
+              f"{med[(10, 'pass', a.loss_chunk)]['mb'] / med[(10, 'none', 0)]['mb']:.2f}x")
 
 
 # -- random -------------------------------------------------------------------------------------------
@@ -343,6 +361,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary (the paper's Llama-2 tokenizer: 32,000)")
     p.add_argument("--seq", type=int, default=256, help="T, tokens per sequence")
     p.add_argument("--batch", type=int, default=4, help="micro-batch in sequences (every section)")
+    p.add_argument("--loss-chunk", type=int, default=256,
+                   help="train, memory: also with model.loss_chunk=N (the chunked loss; 0: only the whole logits)")
     p.add_argument("--rounds", type=int, default=7, help="train: alternating rounds (medians)")
     p.add_argument("--mem-rounds", type=int, default=1, help="memory: fresh processes per configuration")
     p.add_argument("--random-steps", type=int, default=8, help="random: the steps 0..N-1 every configuration runs")

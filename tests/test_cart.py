@@ -155,20 +155,46 @@ def test_variable_R_at_inference_beyond_the_papers_16_row_table():
     torch.testing.assert_close(loop_embedding(3, 32, dtype=torch.float64)[1::2], torch.cos(3 / 10000 ** (i / 32)))
 
 
-def test_checkpointing_each_pass_gives_the_same_gradients():
-    spec = get_arch("cart")
-    grads = []
-    for policy in (None, "full"):
-        model = model_of(torch.float32)
-        model.train()
-        if policy:
-            spec.recompute_policies()[policy].apply(model)
-        tokens = tokens_of()
+@pytest.mark.parametrize("overrides", [{}, {"backprop_loops": 2}, {"unshare_core": True}])
+def test_checkpointing_each_pass_gives_the_same_gradients(overrides):
+    """Spec §6.12: every recompute policy gives the gradients of none."""
+    grads = {policy: _step(policy, **overrides)[0] for policy in (None, "full", "pass", "loop", "block")}
+    for policy in ("full", "pass", "loop", "block"):
+        for a, b in zip(grads[policy], grads[None]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def _step(policy, **overrides):
+    """One backward under a recompute policy: the gradients, and the bytes of the distinct storages
+    autograd saved outside checkpointed regions (a checkpointed region saves its tensor inputs: the
+    anchor's keys and values, the blend weights and the gate, the same storages at every pass)."""
+    model = model_of(torch.float32, **overrides)
+    model.train()
+    if policy:
+        get_arch("cart").recompute_policies()[policy].apply(model)
+    tokens, storages = tokens_of(), {}
+
+    def keep(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         logits = model.head.logits(model.hidden(tokens, torch.arange(32).expand(2, 32)))
-        F.cross_entropy(logits.flatten(0, 1), torch.roll(tokens, -1, 1).flatten()).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        loss = F.cross_entropy(logits.flatten(0, 1), torch.roll(tokens, -1, 1).flatten())
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()], sum(storages.values())
+
+
+def test_policies_pass_and_loop_keep_nothing_per_pass_beyond_its_state():
+    """What each extra pass adds to the saved activations: a whole pass's (norms, attention, SwiGLU,
+    blend, gate) without recompute, none under policy pass (its state is the next pass's input)."""
+    per_pass = {}
+    for policy in (None, "pass", "loop"):
+        s2, s6 = _step(policy, n_loops=2)[1], _step(policy, n_loops=6)[1]
+        per_pass[policy] = (s6 - s2) / 4
+    d_state = 2 * 32 * 64 * 4  # one [B, T, d] float32 state
+    assert per_pass[None] > 10 * d_state, per_pass
+    assert per_pass["pass"] == per_pass["loop"] == 0, per_pass
 
 
 def test_the_shared_core_gradient_is_the_sum_over_passes_of_an_unshared_copy():

@@ -28,9 +28,11 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from kernels.attention import causal
 from parallel.layers import ColumnLinear, ReplicatedLinear, replicated_parameter
+from parallel.recompute import Recompute, apply_recompute
 from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp
 from pretrain.models.decoder import Decoder, DecoderConfig, KVCache, tp_dims
@@ -194,6 +196,7 @@ class CART(Decoder):
         self.a = replicated_parameter(torch.full((cfg.d_model,), math.log(9.0)))  # sigmoid(a) = 0.9
         self.lie = ReplicatedLinear(cfg.lie_dim, cfg.d_model, init_std=cfg.init_std)
         self.coda = Block(o)
+        self.recompute_passes = False  # policy "pass": each core pass checkpointed whole (_recompute_passes)
 
     def applications(self) -> list[nn.Module]:
         """The self-attention layers with a decode cache slot each (the prelude's and the coda's)."""
@@ -241,7 +244,11 @@ class CART(Decoder):
         frozen = R - cfg.backprop_loops if cfg.backprop_loops and torch.is_grad_enabled() else 0
         for r in range(R):
             with torch.set_grad_enabled(r >= frozen and torch.is_grad_enabled()):  # truncated backprop over passes
-                buf = self._pass(r, buf, w, gate, k, v, a, cache, offset, slot0)
+                if self.recompute_passes and torch.is_grad_enabled() and cache is None:
+                    # keeps only the new state (the blend's inputs are earlier passes' states)
+                    buf = checkpoint(self._pass, r, buf, w, gate, k, v, a, cache, offset, slot0, use_reentrant=False)
+                else:
+                    buf = self._pass(r, buf, w, gate, k, v, a, cache, offset, slot0)
             if states is not None:
                 states.append(buf[0])
         return buf[0]
@@ -336,16 +343,29 @@ def info(cfg: CARTConfig) -> list[str]:
             f"spec §2.10; {n['effective'] / n['stored']:.2f}x the {n['stored']:,} stored)"]
 
 
-def _core_units(model: CART) -> list[nn.Module]:
-    """The core block(s): checkpointed at every pass (a shared block is recomputed pass by pass)."""
+def _recompute_loop(model: CART) -> None:
+    """Policy loop: each core pass whole (blend, loop-index embedding, core block, gate), non-reentrant;
+    a pass keeps only its new state. The Dense baseline recomputes its layers."""
     if model.cfg.dense:
-        return list(model.prelude)
-    return list(model.core) if model.cfg.unshare_core else [model.core]
+        apply_recompute(list(model.prelude))
+    else:
+        model.recompute_passes = True
+
+
+def _recompute_all(model: CART) -> None:
+    """Policy pass: the loop's passes as in policy loop, and the prelude's and the coda's blocks: a
+    step keeps only block inputs and pass states (the loss's own memory aside, model.loss_chunk)."""
+    _recompute_loop(model)
+    if not model.cfg.dense:
+        apply_recompute([*model.prelude, model.coda])
 
 
 def _block_units(model: CART) -> list[nn.Module]:
-    """Every block: the prelude's, each core pass and the coda."""
-    return list(model.prelude) if model.cfg.dense else [*model.prelude, *_core_units(model), model.coda]
+    """Every block: the prelude's, each core pass's block and the coda."""
+    if model.cfg.dense:
+        return list(model.prelude)
+    core = list(model.core) if model.cfg.unshare_core else [model.core]
+    return [*model.prelude, *core, model.coda]
 
 
 SPEC = register(ArchSpec(
@@ -358,5 +378,6 @@ SPEC = register(ArchSpec(
     progress=("rho", "loops"),
     decode=DecodeRelation("exact"),
     tp_dims=tp_dims,
-    recompute_units={"pass": _core_units, "block": _block_units},
+    recompute_units={"pass": Recompute(configure=_recompute_all), "loop": Recompute(configure=_recompute_loop),
+                     "block": _block_units},
 ))
