@@ -106,7 +106,8 @@ def test_streaming_decode_equals_the_parallel_forward(arch):
     with torch.no_grad():
         full = spec.logits(model, tokens)
         state = spec.new_state(model, 2)
-        pieces, state = [spec.step(model, tokens[:, :5], state)[0]], state  # chunked prefill, then one by one
+        first, state = spec.step(model, tokens[:, :5], state)  # chunked prefill, then one by one
+        pieces = [first]
         for t in range(5, 13):
             logits, state = spec.step(model, tokens[:, t : t + 1], state)
             pieces.append(logits)

@@ -22,12 +22,26 @@ def write_markov_corpus(prefix, num_docs=300, seed=0):
     return str(prefix)
 
 
-def tiny_overrides(tmp_path, prefix, **extra):
+DECODER_SHRINK = {"model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4, "model.max_seq_len": 64}
+
+
+def _decoder_shaped(arch: str) -> bool:
+    from dataclasses import fields
+
+    from pretrain.models import get_arch
+
+    return "d_model" in {f.name for f in fields(get_arch(arch).config_cls)}
+
+
+def tiny_overrides(tmp_path, prefix, arch=None, **extra):
+    """Overrides turning baseline/tiny (or an architecture's tiny config: `arch`, or model.arch in
+    extra) into a seconds-long CPU run on the synthetic corpus; a model that is not decoder-shaped
+    keeps its own tiny widths."""
     tmp_path = Path(tmp_path)
-    """Overrides turning baseline/tiny into a seconds-long CPU run on the synthetic corpus."""
+    arch = extra.get("model.arch", arch)
+    shrink = DECODER_SHRINK if not arch or _decoder_shaped(arch) else {}
     values = {
-        "model.vocab_size": VOCAB, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
-        "model.max_seq_len": 64, "data.train": f"[{prefix}]", "data.valid": "[]", "data.tokenizer": "''",
+        "model.vocab_size": VOCAB, **shrink, "data.train": f"[{prefix}]", "data.valid": "[]", "data.tokenizer": "''",
         "data.split": "90,10", "data.seq_len": 32, "data.num_workers": 0, "data.cache_dir": str(tmp_path / "cache"),
         "train.run_dir": str(tmp_path / "run"), "train.max_steps": 20, "train.global_batch_seqs": 8,
         "train.micro_batch_seqs": 4, "train.log_every": 1, "train.eval_every": 10, "train.eval_batches": 2,
@@ -54,7 +68,8 @@ def train_run(tmp, corpus, run, steps, extra=(), arch_config="baseline/tiny"):
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
 
-    over = tiny_overrides(tmp, corpus, **{"train.run_dir": f"{tmp}/{run}", "train.max_steps": steps,
+    arch = None if arch_config.startswith("baseline/") else arch_config.split("/")[0]
+    over = tiny_overrides(tmp, corpus, arch, **{"train.run_dir": f"{tmp}/{run}", "train.max_steps": steps,
                                           "train.eval_every": 0, "checkpoint.every": 0,
                                           "schedule.warmup_steps": 1, "train.threads": 1,
                                           "schedule.kind": "constant"})

@@ -1,0 +1,432 @@
+"""Grounded Prediction Networks (spec-002; Wang 2026): GPN and GPN+M, one wide state revisited per token.
+
+One state vector (width d) and, in GPN+M, one matrix memory per head carry everything; every token
+runs one step, in the released code's order (spec §2.2), here with the step's first half moved to
+the top of the loop (iteration t grounds token t, then predicts):
+
+    s^g   = Gate_f(s^p) * s^p + G_t                  ground: G_t = rms(emb(x_t)) W_fuse, hoisted
+    M     = alpha M + beta k (v - M^T k)^T           write (GPN+M): k from the previous s^g, v from s^g
+    s     = s^g; per sub-layer: s = Gate_p(s) * s + FFN(s) + Read(M, s)      predict
+    s^p   = s                                        decoded after the loop: (rms(s^p) W_dproj) Emb^T
+
+With a zero state s^p, the first prediction is exactly 0 (uniform logits), so the code's window,
+where position 0 is a target predicted from nothing, is the same recurrence with its predictions
+shifted by one: `position0: uniform` (the paper's), and `position0: context` predicts the batch's
+labels after each token (every target has context, as the other architectures here; spec A8).
+
+Training form (spec §5.2): embeddings, the fuse projection, the decode and the loss run outside the
+time loop over all positions at once; inside it, every projection of a state shares that state's
+RMS factor, so the norm weights are folded into the matrices once per forward and each state takes
+ONE matrix product (layer 0 and the memory write: W_1 | W_pg | W_q | W_rg | W_v | W_beta | W_a |
+W_k, the key kept for the next step). BPTT runs over the whole window by segments of `segment` steps
+(default ceil(sqrt(T))): under parallel.recompute=full (the configs' default) each segment is
+checkpointed, so a step keeps its segment-start states and one live segment (O(T/S + S) memories
+instead of T); `tbptt` detaches the carried state every tbptt steps (spec A10, §8.2: the state
+crossing a boundary already holds the previous step's token, and it takes no gradient either).
+
+The state (the last s^g's key projection, M, s^p) is the whole decode cache: streaming runs the
+same iteration, so decode equals the training forward exactly.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from kernels.delta_memory import reference as memory
+from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, replicated_parameter
+from parallel.recompute import Recompute
+from pretrain.models.base import EVAL, ModelConfig
+from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+
+POSITION0 = ("context", "uniform")
+
+
+@dataclass
+class GPNConfig(ModelConfig):
+    arch: str = "gpn"
+    vocab_size: int = 32000
+    max_seq_len: int = 1 << 20  # no table depends on it: the window is the data's seq_len
+    d_emb: int = 768  # E (spec A1)
+    d_state: int = 2496  # d
+    d_ffn: int = 6656  # F
+    n_layers: int = 1  # predict sub-layers per token (the paper's "layers"); bare GPN: 1
+    mem_heads: int = 15  # H; 0 is bare GPN (no memory)
+    d_key: int = 128
+    d_value: int = 256
+    decoder_bias: bool = False  # b_dec (the §7.2 ablation only)
+    position0: str = "context"  # context | uniform (the paper's code: position 0 a target, predicted from zeros)
+    reset_at_documents: bool = False  # zero the state where a document starts (the paper does not, A9)
+    segment: int = 0  # S, steps per BPTT segment (recomputed under parallel.recompute=full); 0: ceil(sqrt(T))
+    tbptt: int = 0  # detach the carried state every tbptt steps (0: full BPTT over the window)
+    norm_eps: float = 1e-6
+    init_std: float = 0.02  # the embedding's and W_o's
+    loss_chunk: int = 0  # > 0: the loss that many positions at a time (kernels/lm_loss "chunked")
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("d_emb", "d_state", "d_ffn", "n_layers", "d_key", "d_value"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.mem_heads < 0:
+            raise ValueError(f"model.mem_heads must be >= 0 (0: bare GPN, no memory), got {self.mem_heads}")
+        if self.mem_heads == 0 and self.n_layers != 1:
+            raise ValueError(f"bare GPN (model.mem_heads=0) has one predict sub-layer (spec §2.4), got "
+                             f"model.n_layers={self.n_layers}")
+        if self.position0 not in POSITION0:
+            raise ValueError(f"model.position0 must be one of {', '.join(POSITION0)}, got {self.position0!r}")
+        for name in ("segment", "tbptt", "loss_chunk"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model.{name} must be >= 0 (0: {'the default' if name != 'tbptt' else 'off'}), "
+                                 f"got {getattr(self, name)}")
+
+    def validate_run(self, run) -> None:
+        T = run.data.seq_len
+        if self.segment > T:
+            raise ValueError(f"model.segment={self.segment} is longer than the window (data.seq_len={T}); use at most "
+                             f"{T} (0: ceil(sqrt(T)) = {math.isqrt(T - 1) + 1})")
+        if self.tbptt > T:
+            raise ValueError(f"model.tbptt={self.tbptt} is longer than the window (data.seq_len={T}): the truncation "
+                             "would never cut; use 0 for full BPTT or a length below the window")
+
+    def segment_for(self, T: int) -> int:
+        """The segments' length at window T: model.segment, or ceil(sqrt(T)); the last one may be shorter."""
+        return self.segment or max(1, math.isqrt(max(T - 1, 0)) + 1)
+
+
+def _lecun(fan_in: int, fan_out: int, bias: bool = False) -> ReplicatedLinear:
+    """flax's lecun_normal: variance 1 / fan_in after truncation at two standard deviations."""
+    return ReplicatedLinear(fan_in, fan_out, bias=bias, init_std=math.sqrt(1.0 / fan_in) / 0.87962566103423978,
+                            trunc=2.0)
+
+
+def _zero(fan_in: int, fan_out: int, bias: bool = False) -> ReplicatedLinear:
+    layer = ReplicatedLinear(fan_in, fan_out, bias=bias)
+    nn.init.zeros_(layer.weight)
+    return layer
+
+
+def _hat(x: Tensor, eps: float) -> Tensor:
+    """x / rms(x), the factor every RMSNorm of x shares (its weight folded into the next matrix)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _state_precision(M: Tensor):
+    """Autocast off around the memory's arithmetic (spec A14: M stays fp32 under bf16)."""
+    return torch.autocast(M.device.type, enabled=False) if torch.is_autocast_enabled(M.device.type) else nullcontext()
+
+
+def _unit(x: Tensor) -> Tensor:
+    """The spec's l2n per head: x / sqrt(|x|^2 + 1e-12) (0 stays 0)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+
+
+class Gate(nn.Module):
+    """sigmoid(rms(x) W + b), W a full d x d matrix, zero at init (the gate starts at 0.5)."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(d, eps)
+        self.proj = _zero(d, d, bias=True)
+
+
+class MemoryWrite(nn.Module):
+    """The write's projections (one norm shared by the key's and the value's sources) and the decay's
+    per-head parameters (spec §2.5, §2.9)."""
+
+    def __init__(self, cfg: GPNConfig):
+        super().__init__()
+        d, H = cfg.d_state, cfg.mem_heads
+        self.norm = RMSNorm(d, cfg.norm_eps)
+        self.k = _lecun(d, H * cfg.d_key, bias=True)
+        self.v = _lecun(d, H * cfg.d_value)
+        self.beta = _lecun(d, H)
+        self.a = _lecun(d, H)
+        self.A_log = replicated_parameter(torch.log(torch.empty(H).uniform_(0, 16).clamp(min=1e-8)))
+        dt = torch.exp(torch.empty(H).uniform_(math.log(1e-3), math.log(1e-1))).clamp(min=1e-4)
+        self.dt_bias = replicated_parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+
+
+class PredictLayer(nn.Module):
+    """One predict sub-layer: its gate, SwiGLU FFN (W_2 zero at init) and, in GPN+M, its memory read."""
+
+    def __init__(self, cfg: GPNConfig):
+        super().__init__()
+        d, F_, H = cfg.d_state, cfg.d_ffn, cfg.mem_heads
+        self.gate = Gate(d, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(d, cfg.norm_eps)
+        self.w1 = _lecun(d, 2 * F_)
+        self.w2 = _zero(F_, d)
+        if H:
+            self.read_norm = RMSNorm(d, cfg.norm_eps)
+            self.q = _lecun(d, H * cfg.d_key, bias=True)
+            self.rg = _lecun(d, H * cfg.d_value)
+            self.out_norm = RMSNorm(H * cfg.d_value, cfg.norm_eps)
+            self.o = ReplicatedLinear(H * cfg.d_value, d, init_std=cfg.init_std)
+
+
+@dataclass
+class Folded:
+    """The loop's matrices for one forward: norm weights folded in, projections of one state stacked."""
+
+    fuse_gate: tuple[Tensor, Tensor]  # (W, b) on s^p
+    first: tuple[Tensor, Tensor]  # (W, b) on s^g: layer 0's W_1 | W_pg | W_q | W_rg, the write's W_v | W_beta | W_a | W_k
+    later: list[tuple[Tensor, Tensor]]  # layers 1..: W_1 | W_pg | W_q | W_rg on the previous sub-layer's output
+    sizes_first: list[int]
+    sizes_later: list[int]
+
+
+class GPN(nn.Module):
+    def __init__(self, cfg: GPNConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        E, d = cfg.d_emb, cfg.d_state
+        self.embed = VocabEmbedding(cfg.vocab_size, E, init_std=cfg.init_std)
+        self.fuse_norm = RMSNorm(E, cfg.norm_eps)
+        self.fuse = _lecun(E, d)
+        self.fuse_gate = Gate(d, cfg.norm_eps)
+        self.write = MemoryWrite(cfg) if cfg.mem_heads else None
+        self.layers = nn.ModuleList(PredictLayer(cfg) for _ in range(cfg.n_layers))
+        self.dec_norm = RMSNorm(d, cfg.norm_eps)
+        self.dproj = _lecun(d, E)
+        self.dec_bias = replicated_parameter(torch.zeros(E)) if cfg.decoder_bias else None
+        self.head = LMHead(E, cfg.vocab_size, tied=self.embed, loss_chunk=cfg.loss_chunk)
+        self.segment_recompute = False  # parallel.recompute=full (GPN's configs): each segment checkpointed
+
+    # -- the loop's matrices ---------------------------------------------------------------------
+    def _layer_parts(self, layer: PredictLayer) -> list[tuple[Tensor, Tensor | None, Tensor]]:
+        parts = [(layer.w1.weight, None, layer.ffn_norm.weight), (layer.gate.proj.weight, layer.gate.proj.bias,
+                                                                   layer.gate.norm.weight)]
+        if self.write is not None:
+            parts += [(layer.q.weight, layer.q.bias, layer.read_norm.weight), (layer.rg.weight, None,
+                                                                               layer.read_norm.weight)]
+        return parts
+
+    def folded(self) -> Folded:
+        """rms(x, w) W^T = (x / rms(x)) (W diag(w))^T: each state's projections as one matrix."""
+
+        def stack(parts):
+            W = torch.cat([w * g for w, _, g in parts], 0)
+            b = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b, _ in parts])
+            return W, b, [w.shape[0] for w, _, _ in parts]
+
+        g = self.fuse_gate
+        first = self._layer_parts(self.layers[0])
+        if self.write is not None:
+            w, n = self.write, self.write.norm.weight
+            # the key's bias is added where the key is used (the carried projection starts at zero)
+            first += [(w.v.weight, None, n), (w.beta.weight, None, n), (w.a.weight, None, n), (w.k.weight, None, n)]
+        W0, b0, sizes_first = stack(first)
+        later, sizes_later = [], []
+        for layer in self.layers[1:]:
+            W, b, sizes_later = stack(self._layer_parts(layer))
+            later.append((W, b))
+        return Folded((g.proj.weight * g.norm.weight, g.proj.bias), (W0, b0), later, sizes_first, sizes_later)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def new_state(self, batch_size: int) -> list[Tensor]:
+        """[the last s^g's key projection, M, s^p], zeros: the window start, and the whole decode cache (the
+        next step needs nothing else of the last s^g than the key it gives)."""
+        cfg, p = self.cfg, self.fuse.weight
+        B, d, H = batch_size, cfg.d_state, cfg.mem_heads
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32  # the state stays fp32 under bf16
+        z = lambda *shape: torch.zeros(*shape, device=p.device, dtype=dtype)  # noqa: E731
+        return [z(B, H * cfg.d_key), z(B, H, cfg.d_key, cfg.d_value), z(B, d)]
+
+    def _predict(self, layer: PredictLayer, s: Tensor, z: list[Tensor], M: Tensor | None, probe: dict | None) -> Tensor:
+        """One predict sub-layer from its projections z = [a | b, gate, (q, rg)] of s."""
+        cfg = self.cfg
+        F_ = cfg.d_ffn
+        ab, pg = z[0], z[1]
+        ffn = layer.w2(F.silu(ab[..., :F_]) * ab[..., F_:])
+        kept = torch.sigmoid(pg) * s
+        out = kept + ffn
+        if M is not None:
+            q = _unit(F.relu(z[2]).unflatten(-1, (cfg.mem_heads, cfg.d_key)))
+            with _state_precision(M):
+                o = memory.read(M, q.to(M.dtype)).flatten(-2)
+            mem = layer.o(F.silu(z[3]) * layer.out_norm(o))
+            out = out + mem
+            if probe is not None:
+                probe["mem_effect"].append((mem.norm(dim=-1) / (kept + ffn).norm(dim=-1).clamp(min=1e-12)).mean())
+                probe["mem_cos"].append(F.cosine_similarity(kept + ffn, out, dim=-1).mean())
+        if probe is not None:
+            probe["predict_gate"].append(torch.sigmoid(pg).mean())
+        return out
+
+    def iterate(self, state: list[Tensor], g: Tensor, W: Folded, probe: dict | None = None) -> list[Tensor]:
+        """One token: ground g (its hoisted fuse projection) into the state, write, predict."""
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        kw, M, sp = state
+        fg = torch.sigmoid(F.linear(_hat(sp, eps), *W.fuse_gate))
+        sg = fg * sp + g
+        z = F.linear(_hat(sg, eps), *W.first).split(W.sizes_first, -1)
+        if self.write is not None:
+            H, dk = cfg.mem_heads, cfg.d_key
+            w = self.write
+            v, beta, a, kw_next = z[4], z[5], z[6], z[7]
+            k = _unit(F.relu(kw + w.k.bias).unflatten(-1, (H, dk)))
+            with _state_precision(M):  # the memory in the state's precision (fp32) under bf16 autocast
+                alpha = torch.exp(-torch.exp(w.A_log) * F.softplus(a.to(M.dtype) + w.dt_bias))
+                M = memory.write(M, k.to(M.dtype), v.unflatten(-1, (H, cfg.d_value)).to(M.dtype),
+                                 torch.sigmoid(beta).to(M.dtype), alpha)
+            if probe is not None:
+                probe["alpha"].append(alpha.mean())
+                probe["mem_norm"].append(M.flatten(1).norm(dim=-1).mean())
+        else:
+            kw_next, M = kw, M
+        s = self._predict(self.layers[0], sg, list(z[:4]), M if self.write is not None else None, probe)
+        for layer, Wl in zip(self.layers[1:], W.later):
+            zl = F.linear(_hat(s, eps), *Wl).split(W.sizes_later, -1)
+            s = self._predict(layer, s, list(zl), M, probe)
+        if probe is not None:
+            probe["fuse_gate"].append(fg.mean())
+        return [kw_next, M, s.to(sp.dtype)]
+
+    # -- the window ----------------------------------------------------------------------------------
+    def _run(self, state: list[Tensor], G: Tensor, W: Folded, keep: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """Steps over G [B, n, d] from `state`: every s^p [B, n, d] and the last state. keep [B, n]: 0 where
+        the state is zeroed before the step (a document start under model.reset_at_documents)."""
+        out = []
+        for t in range(G.shape[1]):
+            if keep is not None:
+                k = keep[:, t, None]
+                state = [state[0] * k, state[1] * k[..., None, None], state[2] * k]
+            state = self.iterate(state, G[:, t], W)
+            out.append(state[2])
+        return torch.stack(out, 1), state
+
+    def states(self, tokens: Tensor, doc_ids: Tensor | None = None, state: list[Tensor] | None = None,
+               probe: dict | None = None) -> tuple[Tensor, list[Tensor]]:
+        """s^p after each token [B, T, d] (what predicts the next token) and the last state, from `state`
+        (zeros when None): the hoisted fuse, then the loop by segments."""
+        cfg = self.cfg
+        B, T = tokens.shape
+        state = state if state is not None else self.new_state(B)
+        G = self.fuse(self.fuse_norm(self.embed(tokens))).to(state[2].dtype)
+        W = self.folded()
+        keep = None
+        if cfg.reset_at_documents and doc_ids is not None:
+            keep = torch.ones(B, T, dtype=G.dtype, device=G.device)
+            keep[:, 1:] = (doc_ids[:, 1:] == doc_ids[:, :-1]).to(G.dtype)
+        S = cfg.segment_for(T)
+        cuts = sorted(set(range(0, T, S)) | (set(range(0, T, cfg.tbptt)) if cfg.tbptt else set()))
+        out = []
+        for i, s in enumerate(cuts):
+            e = cuts[i + 1] if i + 1 < len(cuts) else T
+            if cfg.tbptt and s and s % cfg.tbptt == 0:
+                state = [x.detach() for x in state]  # truncated BPTT: nothing earlier gets this gradient
+            seg_keep = keep[:, s:e] if keep is not None else None
+            if probe is not None:  # the diagnostics: the segment's first step once more, without gradient
+                with torch.no_grad():
+                    self.iterate(state, G[:, s], W, probe)
+            if self.segment_recompute and torch.is_grad_enabled():
+                sp, state = checkpoint(self._run, state, G[:, s:e], W, seg_keep, use_reentrant=False)
+            else:
+                sp, state = self._run(state, G[:, s:e], W, seg_keep)
+            out.append(sp)
+        return torch.cat(out, 1), state
+
+    def decode(self, sp: Tensor) -> Tensor:
+        """s^p -> the tied head's input (rms(s^p) W_dproj + b_dec), width E."""
+        h = self.dproj(self.dec_norm(sp).to(self.dproj.weight.dtype))
+        return h + self.dec_bias if self.dec_bias is not None else h
+
+    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
+        cfg = self.cfg
+        probe = {k: [] for k in ("fuse_gate", "predict_gate", "alpha", "mem_norm", "mem_effect", "mem_cos")}
+        if cfg.position0 == "context":
+            sp, _ = self.states(batch.tokens, batch.doc_ids, probe=probe)
+            targets, mask = batch.labels, batch.loss_mask
+        else:  # the code's window: token t predicted from tokens < t, position 0 from the zero state
+            sp, _ = self.states(batch.tokens[:, :-1], batch.doc_ids[:, :-1], probe=probe)
+            sp = torch.cat([torch.zeros_like(sp[:, :1]), sp], 1)
+            if cfg.reset_at_documents:  # a document's first token is predicted from the zero state
+                start = torch.ones_like(batch.doc_ids, dtype=torch.bool)
+                start[:, 1:] = batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1]
+                sp = sp.masked_fill(start[..., None], 0.0)
+            targets = batch.tokens
+            mask = torch.cat([torch.ones_like(batch.loss_mask[:, :1]), batch.loss_mask[:, :-1]], 1)
+        loss = self.head.loss(self.decode(sp), targets, mask)
+        diag = {k: torch.stack(v).mean().detach() for k, v in probe.items() if v}
+        diag["state_norm"] = sp.detach().norm(dim=-1).mean()
+        return loss, diag
+
+    def logits(self, tokens: Tensor) -> Tensor:
+        """Next-token logits after each token [B, T, V] (float32; float64 in float64)."""
+        return self.head.logits(self.decode(self.states(tokens)[0]))
+
+    def step(self, tokens: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """Streaming: the same iteration, token by token, from the carried state, which is updated in place
+        (like a decoder's KV cache) and returned."""
+        sp, new = self.states(tokens, state=state)
+        state[:] = new
+        return self.head.logits(self.decode(sp)), state
+
+
+# -- counts, FLOPs, registration --------------------------------------------------------------------
+def parameter_counts(cfg: GPNConfig) -> dict[str, int]:
+    """Spec §2.9: the total, and the parameters used inside the time loop."""
+    V, E, d, F_, H, dk, dv = cfg.vocab_size, cfg.d_emb, cfg.d_state, cfg.d_ffn, cfg.mem_heads, cfg.d_key, cfg.d_value
+    gate = d + d * d + d
+    write = (d + d * H * dk + H * dk + d * H * dv + 2 * d * H + 2 * H) if H else 0
+    read = (d + d * H * dk + H * dk + d * H * dv + H * dv + H * dv * d) if H else 0
+    layer = d + 2 * d * F_ + F_ * d + gate + read
+    loop = gate + write + cfg.n_layers * layer
+    outside = V * E + E + E * d + d + d * E + (E if cfg.decoder_bias else 0)
+    return {"total": loop + outside, "loop": loop, "memory_cells": H * dk * dv,
+            "state_numbers": H * dk + d + H * dk * dv}
+
+
+def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:
+    n = parameter_counts(cfg)
+    H, dk, dv = cfg.mem_heads, cfg.d_key, cfg.d_value
+    matmul = n["total"]  # the embedding is a lookup, but the tied head multiplies by the same V x E once
+    memory_ops = (4 * H * dk * dv + cfg.n_layers * 2 * H * dk * dv) if H else 0  # write (erase + update), reads
+    return 6.0 * matmul + 3.0 * memory_ops
+
+
+FLOPS_FORMULA = ("6 * N + 3 * (4 + 2 L) H d_k d_v: every parameter in one multiply-add per token, forward and "
+                 "backward (N the total: the tied head V x E once, the loop's matrices once per step), and the "
+                 "memory's write (erase and update) and L reads per step; segment recomputation's extra forward "
+                 "(about a third more of the loop) is not counted, as with activation recompute elsewhere")
+
+
+def info(cfg: GPNConfig) -> list[str]:
+    n = parameter_counts(cfg)
+    state_bytes = 4 * n["state_numbers"]
+    return [f"inside the time loop: {n['loop']:,} parameters ({n['loop'] / n['total']:.0%}); the rest (embedding, "
+            "fuse, decode) runs once over the window",
+            f"decode state: {n['state_numbers']:,} numbers per sequence, {state_bytes:,} bytes in fp32 (memory "
+            f"{n['memory_cells']:,} cells), whatever the context length"]
+
+
+def _recompute_segments(model: GPN) -> None:
+    model.segment_recompute = True
+
+
+SPEC = register(ArchSpec(
+    name="gpn",
+    config_cls=GPNConfig,
+    build=GPN,
+    flops_per_token=flops_per_token,
+    flops_formula=FLOPS_FORMULA,
+    info=info,
+    decode=DecodeRelation("exact"),
+    progress=("mem_effect",),
+    supports=Support(tp=False, sp=False, reasons={
+        "tp": "each of the window's steps would need at least two all-reduces inside the sequential loop (thousands of "
+              "latency-bound collectives per window), and the paper's 15 memory heads divide by no TP size "
+              "(spec §5.2, A20)",
+        "sp": "the recurrence is nonlinear in the state: a slice of the sequence cannot start before the previous "
+              "slice's last state exists (spec §2.11)",
+        "pp": "the last predict sub-layer at step t feeds the ground of step t+1: stages would run one after another "
+              "for every token (spec §5.2)"}),
+    recompute_units={"segments": Recompute(configure=_recompute_segments)},
+))

@@ -1,0 +1,412 @@
+"""GPN and GPN+M (spec-002) against its §6 checks: an independent naive loop written from §2.10 (the
+code's indexing, fuse and decode inside the loop, no folded norms), segment recomputation, state carry
+and streaming, the position-0 invariant, init and counts, the memory rule's three forms and its
+chunked form, truncated BPTT, gradcheck, bf16, document resets, bad input."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.delta_memory import chunked, delta_memory, reference
+from pretrain.data.batch import collate
+from pretrain.models import count_parameters, get_arch
+from pretrain.models.gpn import GPN, GPNConfig, parameter_counts
+
+V = 97
+SPEC = get_arch("gpn")
+
+
+def cfg_of(**kw) -> GPNConfig:
+    values = dict(vocab_size=V, d_emb=16, d_state=32, d_ffn=64, mem_heads=4, d_key=8, d_value=16, n_layers=1)
+    values.update(kw)
+    return GPNConfig(**values)
+
+
+def model_of(dtype=torch.float64, seed=0, perturb=0.1, **kw) -> GPN:
+    """A model whose zero-initialised matrices and biases are perturbed (at init the FFN and gates say nothing)."""
+    torch.manual_seed(seed)
+    model = GPN(cfg_of(**kw)).to(dtype)
+    if perturb:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * perturb)
+    return model
+
+
+def batch_of(B=2, T=21, seed=1, docs=None):
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, V, (B, T + 1), generator=g).numpy()
+    doc = raw * 0 if docs is None else docs
+    return collate((raw, doc), eod_id=None)
+
+
+# -- the naive loop of spec §2.10 (written from the spec, not from the model) --------------------------
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def l2n(x):
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+
+
+def naive_logits(m: GPN, x: torch.Tensor) -> torch.Tensor:
+    """The code's window (§2.2): logits[t] = Decode(s^p_t) predicts x[t] from x[:t], t = 0 from zeros."""
+    c = m.cfg
+    B, T = x.shape
+    H, dk, dv = c.mem_heads, c.d_key, c.d_value
+    dt = m.fuse.weight.dtype
+    sg = sgp = torch.zeros(B, c.d_state, dtype=dt)
+    M = torch.zeros(B, H, dk, dv, dtype=dt)
+    out = []
+    emb = m.embed.weight
+    for t in range(T):
+        if H:
+            w = m.write
+            u, um = rms(sg, w.norm.weight), rms(sgp, w.norm.weight)
+            k = l2n(F.relu(um @ w.k.weight.T + w.k.bias).view(B, H, dk))
+            v = (u @ w.v.weight.T).view(B, H, dv)
+            beta = torch.sigmoid(u @ w.beta.weight.T)
+            alpha = torch.exp(-w.A_log.exp() * F.softplus(u @ w.a.weight.T + w.dt_bias))
+            erase = torch.einsum("bhkv,bhk->bhv", M, k)
+            M = alpha[..., None, None] * M + beta[..., None, None] * k[..., :, None] * (v - erase)[..., None, :]
+        s = sg
+        for L in m.layers:
+            a, b = (rms(s, L.ffn_norm.weight) @ L.w1.weight.T).chunk(2, -1)
+            new = torch.sigmoid(rms(s, L.gate.norm.weight) @ L.gate.proj.weight.T + L.gate.proj.bias) * s \
+                + (F.silu(a) * b) @ L.w2.weight.T
+            if H:
+                y = rms(s, L.read_norm.weight)
+                q = l2n(F.relu(y @ L.q.weight.T + L.q.bias).view(B, H, dk))
+                o = torch.einsum("bhkv,bhk->bhv", M, q).flatten(1)
+                new = new + (F.silu(y @ L.rg.weight.T) * rms(o, L.out_norm.weight)) @ L.o.weight.T
+            s = new
+        h = rms(s, m.dec_norm.weight) @ m.dproj.weight.T
+        if m.dec_bias is not None:
+            h = h + m.dec_bias
+        out.append(h @ emb.T)
+        g = torch.sigmoid(rms(s, m.fuse_gate.norm.weight) @ m.fuse_gate.proj.weight.T + m.fuse_gate.proj.bias)
+        sgp, sg = sg, g * s + rms(emb[x[:, t]], m.fuse_norm.weight) @ m.fuse.weight.T
+    return torch.stack(out, 1)
+
+
+def model_logits_uniform(m: GPN, x):
+    """The model's predictions in the code's window: zeros, then after each of x[:, :-1]."""
+    sp, _ = m.states(x[:, :-1])
+    sp = torch.cat([torch.zeros_like(sp[:, :1]), sp], 1)
+    return m.head.logits(m.decode(sp))
+
+
+# -- T1: hoisted == naive -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [{}, {"n_layers": 2}, {"mem_heads": 0, "d_key": 8}, {"decoder_bias": True}])
+def test_hoisted_equals_the_naive_loop_in_logits_and_gradients(kw):
+    m = model_of(**kw)
+    x = batch_of().tokens
+    want = naive_logits(m, x)
+    got = model_logits_uniform(m, x)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    grads = []
+    for fn in (naive_logits, model_logits_uniform):
+        m.zero_grad()
+        (fn(m, x).square().mean()).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for (name, _), a, b in zip(m.named_parameters(), *grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+
+
+def test_hoisted_equals_naive_in_float32_at_the_spec_init():
+    """Spec §8.1: fp32 with the spec's own init (not a full-scale random one) within 1e-5."""
+    m = model_of(torch.float32, perturb=0.0)
+    x = batch_of().tokens
+    torch.testing.assert_close(model_logits_uniform(m, x), naive_logits(m, x), rtol=0, atol=1e-5)
+
+
+# -- T2: segment recomputation ---------------------------------------------------------------------------
+def _loss_and_grads(m, batch):
+    m.zero_grad()
+    loss, _ = m(batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("segment", [1, 4, 5, 8, 21])
+def test_segment_recomputation_changes_nothing(segment):
+    batch = batch_of()
+    m = model_of(n_layers=2)
+    ref = _loss_and_grads(m, batch)
+    m.cfg.segment = segment
+    m.segment_recompute = True
+    got = _loss_and_grads(m, batch)
+    torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-12)
+    for a, b in zip(got[1], ref[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_recompute_policy_configures_the_model_and_keeps_one_segment():
+    """parallel.recompute=full turns segment recomputation on; what autograd keeps outside the
+    checkpointed segments does not grow with the window (states at segment starts only)."""
+    m = model_of()
+    SPEC.recompute_policies()["full"].apply(m)
+    assert m.segment_recompute
+
+    def saved(T):
+        storages = {}
+
+        def keep(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        m.cfg.segment = 4
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            m(batch_of(T=T))
+        return sum(storages.values())
+
+    m.segment_recompute = False
+    plain = saved(32) - saved(16)
+    m.segment_recompute = True
+    recomputed = saved(32) - saved(16)
+    assert recomputed < plain / 4, (recomputed, plain)
+
+
+# -- T3: state carry and streaming -------------------------------------------------------------------------
+def test_state_carries_across_window_halves_and_streaming_equals_the_window():
+    m = model_of(n_layers=2).eval()
+    x = batch_of(T=20).tokens
+    with torch.no_grad():
+        full = m.logits(x)
+        first, state = m.step(x[:, :9], m.new_state(2))
+        second, state = m.step(x[:, 9:], state)
+        torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=0, atol=1e-12)
+        state, pieces = m.new_state(2), []
+        for t in range(x.shape[1]):
+            logits, state = m.step(x[:, t:t + 1], state)
+            pieces.append(logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=1e-12)
+
+
+# -- T4: position 0 ----------------------------------------------------------------------------------------
+def test_position_zero_is_uniform_in_the_papers_window():
+    m = model_of(position0="uniform")  # every bias perturbed: b_k, b_q, b_pg, b_fg nonzero
+    batch = batch_of()
+    logits = model_logits_uniform(m, batch.tokens)
+    assert logits[:, 0].abs().max().item() == 0.0
+    ce0 = F.cross_entropy(logits[:, 0], batch.tokens[:, 0])
+    assert ce0.item() == pytest.approx(math.log(V), abs=1e-12)
+    mb = model_of(position0="uniform", decoder_bias=True)
+    torch.testing.assert_close(model_logits_uniform(mb, batch.tokens)[:, 0],
+                               (mb.dec_bias @ mb.embed.weight.T).expand(2, V), rtol=0, atol=1e-12)
+
+
+def test_the_two_position0_conventions_train_on_their_targets():
+    batch = batch_of()
+    m = model_of()
+    ctx_loss, _ = m(batch)
+    want = F.cross_entropy(m.logits(batch.tokens).flatten(0, 1), batch.labels.flatten())
+    torch.testing.assert_close(ctx_loss, want, rtol=0, atol=1e-12)
+    m.cfg.position0 = "uniform"
+    uni_loss, _ = m(batch)
+    want = F.cross_entropy(naive_logits(m, batch.tokens).flatten(0, 1), batch.tokens.flatten())
+    torch.testing.assert_close(uni_loss, want, rtol=0, atol=1e-10)
+
+
+# -- T5: init and counts -------------------------------------------------------------------------------
+def test_init_invariants():
+    m = model_of(perturb=0.0)
+    layer = m.layers[0]
+    s = torch.randn(3, 32, dtype=torch.float64)
+    assert layer.w2(torch.randn(3, 64, dtype=torch.float64)).abs().max() == 0  # the FFN outputs 0
+    assert torch.equal(torch.sigmoid(layer.gate.proj(s)), torch.full_like(s, 0.5))
+    assert torch.equal(torch.sigmoid(m.fuse_gate.proj(s)), torch.full_like(s, 0.5))
+    alpha = torch.exp(-m.write.A_log.exp() * F.softplus(m.write.dt_bias))
+    assert ((alpha > 0) & (alpha < 1)).all()
+    state = m.iterate(m.new_state(3), torch.zeros(3, 32, dtype=torch.float64), m.folded())
+    assert state[1].abs().max() == 0  # M stays 0 at the first step (v = W_v rms(0) = 0)
+
+
+@pytest.mark.parametrize("kw,total,loop,state", [
+    ({}, 129_151_902, 100_738_782, 495_936),
+    ({"n_layers": 2, "d_state": 1920, "d_ffn": 4864, "mem_heads": 11}, 129_837_206, None, None),
+    ({"mem_heads": 0, "d_state": 3184, "d_ffn": 8400}, 129_999_008, None, 3184)])
+def test_parameter_counts_of_the_papers_configs(kw, total, loop, state):
+    cfg = GPNConfig(**kw)
+    with torch.device("meta"):
+        m = GPN(cfg)
+    n = parameter_counts(cfg)
+    assert count_parameters(m)["total"] == n["total"] == total
+    if loop is not None:
+        assert n["loop"] == loop  # spec §2.9, as corrected on review
+        assert n["memory_cells"] == 491_520
+    if state is not None:
+        assert n["state_numbers"] == state
+
+
+# -- T6: the memory rule ---------------------------------------------------------------------------------
+def _memory_inputs(B=2, T=50, H=3, dk=5, dv=4, seed=0, fast=False):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    k = l2n(F.relu(r(B, T, H, dk)))
+    q = l2n(F.relu(r(B, T, H, dk)))
+    v = r(B, T, H, dv)
+    beta = torch.sigmoid(r(B, T, H))
+    alpha = torch.sigmoid(r(B, T, H) + 2)
+    if fast:
+        alpha = alpha.clone()
+        alpha[:, :, 0] = 1e-8  # a fast head: e^{-18} per step
+    return q, k, v, beta, alpha
+
+
+def test_the_three_forms_of_the_memory_rule_agree_and_contract():
+    q, k, v, beta, alpha = _memory_inputs()
+    B, T, H, dk = k.shape
+    M1 = M2 = M3 = torch.zeros(B, H, dk, v.shape[-1], dtype=torch.float64)
+    eye = torch.eye(dk, dtype=torch.float64)
+    for t in range(T):
+        kt, vt, bt, at = k[:, t], v[:, t], beta[:, t], alpha[:, t]
+        M1 = reference.write(M1, kt, vt, bt, at)
+        kk = kt[..., :, None] * kt[..., None, :]
+        trans = at[..., None, None] * eye - bt[..., None, None] * kk  # (alpha I - beta k k^T)
+        M2 = trans @ M2 + bt[..., None, None] * kt[..., :, None] * vt[..., None, :]
+        bp, vp = bt / at, at[..., None] * vt  # the GDN form with beta / alpha, alpha v
+        M3 = at[..., None, None] * (eye - bp[..., None, None] * kk) @ M3 + bp[..., None, None] * kt[..., :, None] * vp[..., None, :]
+        bound = torch.maximum(at, (at - bt).abs())
+        norm = torch.linalg.matrix_norm(trans, ord=2)
+        assert (norm <= bound + 1e-12).all()
+    torch.testing.assert_close(M2, M1, rtol=0, atol=1e-13)
+    torch.testing.assert_close(M3, M1, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 16, 7])
+@pytest.mark.parametrize("fast", [False, True])
+def test_chunked_memory_reads_equal_the_recurrence(chunk, fast):
+    q, k, v, beta, alpha = _memory_inputs(fast=fast)
+    M0 = torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref_o, ref_M = reference.recurrence(q, k, v, beta, alpha, M0)
+    o, M = chunked.recurrence(q, k, v, beta, alpha, M0, chunk=chunk)
+    torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-10)
+    torch.testing.assert_close(M, ref_M, rtol=0, atol=1e-10)
+    o2, _ = delta_memory(q, k, v, beta, alpha, M0, chunk=chunk)  # the registered op picks the chunked path
+    torch.testing.assert_close(o2, o, rtol=0, atol=0)
+
+
+# -- T7: truncated BPTT ----------------------------------------------------------------------------------
+def test_truncated_bptt_semantics():
+    """The loss equals full BPTT's; a later truncation window's loss sends no gradient to the tokens of
+    an earlier one (the carried state is detached, spec §8.2); the summed gradient differs."""
+    T, K = 32, 8
+    batch = batch_of(T=T)
+    full = model_of(segment=4)
+    trunc = model_of(segment=4, tbptt=K)
+    l_full, g_full = _loss_and_grads(full, batch)
+    l_trunc, g_trunc = _loss_and_grads(trunc, batch)
+    torch.testing.assert_close(l_trunc, l_full, rtol=0, atol=1e-12)
+    assert any((a - b).abs().max() > 1e-8 for a, b in zip(g_trunc, g_full))
+    # d(loss of window 3) / d(fused inputs G of windows 0-2) is exactly 0
+    G = trunc.fuse(trunc.fuse_norm(trunc.embed(batch.tokens))).detach().requires_grad_()
+    trunc.fuse = _Given(G, trunc.fuse.weight)
+    sp, _ = trunc.states(batch.tokens)
+    late = F.cross_entropy(trunc.head.logits(trunc.decode(sp[:, 3 * K:])).flatten(0, 1), batch.labels[:, 3 * K:].flatten())
+    (grad,) = torch.autograd.grad(late, G)
+    assert grad[:, :3 * K].abs().max().item() == 0.0
+    assert grad[:, 3 * K:].abs().max().item() > 0.0
+
+
+class _Given(torch.nn.Module):
+    """Stands in for the fuse projection: returns a given G (so the test can differentiate by it)."""
+
+    def __init__(self, G, weight):
+        super().__init__()
+        self.G, self.weight = G, weight  # the weight: what new_state reads the device and dtype from
+
+    def forward(self, _):
+        return self.G
+
+
+# -- T8: gradcheck --------------------------------------------------------------------------------------
+def test_gradcheck_of_the_step_and_the_memory_ops():
+    m = model_of(d_state=8, d_emb=4, d_ffn=6, mem_heads=2, d_key=3, d_value=2)
+    W = m.folded()
+    g = torch.Generator().manual_seed(5)
+    kw, M, sp = (torch.randn(2, 6, dtype=torch.float64, generator=g), torch.randn(2, 2, 3, 2, dtype=torch.float64,
+                 generator=g), torch.randn(2, 8, dtype=torch.float64, generator=g))
+    x = torch.randn(2, 8, dtype=torch.float64, generator=g)
+    inputs = [t.requires_grad_() for t in (kw, M, sp, x)]
+    assert torch.autograd.gradcheck(lambda a, b, c, d: tuple(m.iterate([a, b, c], d, W)), inputs)
+    q, k, v, beta, alpha = (t[:1, :1].clone().requires_grad_() for t in _memory_inputs(B=1, T=1, H=2, dk=3, dv=2))
+    M0 = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: reference.write(*a), (M0, k[:, 0], v[:, 0], beta[:, 0], alpha[:, 0]))
+    assert torch.autograd.gradcheck(lambda a, b: reference.read(a, b), (M0, q[:, 0]))
+
+
+# -- T12: bf16 ---------------------------------------------------------------------------------------------
+def test_bf16_autocast_keeps_the_state_in_fp32_within_tolerance():
+    m = model_of(torch.float32, perturb=0.0)
+    batch = batch_of(T=24)
+    ref, _ = m(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, _ = m(batch)
+        sp, state = m.states(batch.tokens)
+    assert sp.dtype == torch.float32 and state[1].dtype == torch.float32
+    assert abs(got.item() - ref.item()) / ref.item() < 1e-2
+
+
+# -- document resets ---------------------------------------------------------------------------------------
+def test_a_reset_at_a_document_start_is_a_window_start():
+    """With reset_at_documents, the second document's predictions are the model's on it alone."""
+    docs = torch.zeros(2, 22, dtype=torch.int64).numpy()
+    docs[:, 9:] = 1
+    batch = batch_of(T=21, docs=docs)
+    for position0 in ("context", "uniform"):
+        m = model_of(reset_at_documents=True, position0=position0)
+        packed, _ = m.states(batch.tokens, batch.doc_ids)
+        alone, _ = m.states(batch.tokens[:, 9:])
+        torch.testing.assert_close(packed[:, 9:], alone, rtol=0, atol=1e-12)
+        m.cfg.reset_at_documents = False
+        carried, _ = m.states(batch.tokens, batch.doc_ids)
+        assert (carried[:, 9:] - alone).abs().max() > 1e-6  # the default carries the state across (A9)
+    m = model_of(reset_at_documents=True, position0="uniform")
+    loss, _ = m(batch)
+    logits = torch.cat([naive_logits(m, batch.tokens[:, :9]), naive_logits(m, batch.tokens[:, 9:])], 1)
+    per = F.cross_entropy(logits.flatten(0, 1), batch.tokens.flatten(), reduction="none").view(2, 21)
+    per[:, 9] = 0  # the data masks a target that crosses a document end: here the second document's first
+    torch.testing.assert_close(loss, per.sum() / (per.numel() - 2), rtol=0, atol=1e-10)
+
+
+# -- diagnostics, training, bad input ---------------------------------------------------------------------
+def test_diagnostics_and_a_short_run_where_the_loss_falls():
+    torch.manual_seed(0)
+    m = GPN(cfg_of(vocab_size=16, d_state=32))
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    pattern = torch.randint(0, 16, (8,), generator=g)
+    raw = pattern.repeat(4, 5)[:, :33].numpy()  # a repeating sequence: learnable through the state
+    batch = collate((raw, raw * 0), eod_id=None)
+    losses = []
+    for _ in range(40):
+        loss, diag = m(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert set(diag) >= {"mem_effect", "mem_cos", "state_norm", "mem_norm", "fuse_gate", "predict_gate", "alpha"}
+    assert diag["mem_effect"] > 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"mem_heads": -1}, "mem_heads"), ({"mem_heads": 0, "n_layers": 2}, "bare GPN"),
+    ({"position0": "first"}, "position0"), ({"segment": -1}, "segment"), ({"tbptt": -2}, "tbptt"),
+    ({"d_state": 0}, "d_state")])
+def test_bad_model_fields_are_one_sentence(kw, match):
+    with pytest.raises(ValueError, match=match):
+        cfg_of(**kw).validate()
+
+
+def test_segment_or_truncation_longer_than_the_window_is_refused_before_any_work():
+    from pretrain.config import load_config
+
+    for field in ("segment", "tbptt"):
+        with pytest.raises(ValueError, match=f"model.{field}=300 is longer than the window"):
+            load_config("gpn/tiny", [f"model.{field}=300", "data.seq_len=128"], check_data=False)
+    with pytest.raises(ValueError, match="parallel.tp=2 is not supported"):
+        load_config("gpn/tiny", ["parallel.tp=2"], check_data=False)
