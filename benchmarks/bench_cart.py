@@ -34,7 +34,7 @@ fresh process under glibc malloc (MALLOC_ARENA_MAX=1, nothing preloaded, and a f
 MALLOC_MMAP_THRESHOLD_ of 64 KiB with malloc_trim before each measured step, so RSS follows use step
 after step). A one-token step first allocates the weights' gradients and AdamW moments (kept:
 zero_grad(set_to_none=False)); the peak is VmHWM after the step (reset to the current RSS just
-before it through /proc/self/clear_refs, bench_rt.reset_peak) minus VmRSS before it
+before it through /proc/self/clear_refs, procmem.reset_peak) minus VmRSS before it
 (benchmarks/procmem.py). --mem-rounds processes per configuration, alternating; medians. The issue's
 target for per-pass recompute: at most half the activation memory (<= 0.50x) for at most 40% more
 step time (<= 1.40x, from the train section's paired rounds).
@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -68,9 +67,9 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from bench_rt import reset_peak  # noqa: E402  (benchmarks/)
+import sections  # noqa: E402  (benchmarks/)
 from bench_sps import adamw, batch_of, load, paired, rounds_of  # noqa: E402  (benchmarks/)
-from procmem import status_kib  # noqa: E402  (benchmarks/)
+from procmem import fresh_env, reset_peak, status_kib  # noqa: E402  (benchmarks/)
 from pretrain.models import get_arch  # noqa: E402
 from pretrain.models.base import StepContext  # noqa: E402
 from pretrain.models.cart import CART, CARTConfig, parameter_counts  # noqa: E402
@@ -194,22 +193,12 @@ def bench_train(a) -> None:
 
 
 # -- fresh processes ------------------------------------------------------------------------------------
-def child_env() -> dict:
-    # glibc malloc with a fixed mmap threshold: every block over 64 KiB is mapped and unmapped on its own, so RSS
-    # follows use from step to step (glibc's default threshold rises after the first large free, and the heap
-    # then keeps what a step freed: the next steps' "before" would hide their peaks)
-    env = dict(os.environ, MALLOC_ARENA_MAX="1", MALLOC_MMAP_THRESHOLD_="65536", PRETRAIN_MALLOC="system")
-    env.pop("LD_PRELOAD", None)
-    env.pop("PRETRAIN_MALLOC_APPLIED", None)
-    return env
-
-
 def run_child(a, policy: str = "none", steps: int = 1, **kw) -> list[dict]:
     """The child's per-step records: its CART config is cart_cfg(a, **kw)."""
     cmd = [sys.executable, __file__, "_child", "--policy", policy, "--child-steps", str(steps), "--cfg", json.dumps(kw),
            "--threads", str(a.threads), "--d-model", str(a.d_model), "--prelude", str(a.prelude), "--vocab",
            str(a.vocab), "--seq", str(a.seq), "--batch", str(a.batch), "--seed", str(a.seed)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+    out = subprocess.run(cmd, capture_output=True, text=True, env=fresh_env())
     if out.returncode:
         raise SystemExit(f"child {' '.join(cmd[2:])} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -372,26 +361,11 @@ def main() -> None:
     p.add_argument("--policy", default="none", help=argparse.SUPPRESS)  # _child
     p.add_argument("--child-steps", type=int, default=1, help=argparse.SUPPRESS)  # _child
     p.add_argument("--cfg", default="{}", help=argparse.SUPPRESS)  # _child: cart_cfg keywords as JSON
-    a = p.parse_args()
-    a.what = a.what or ["all"]
-    bad = [w for w in a.what if w not in ("all", *SECTIONS, "_child")]
-    if bad:
-        p.error(f"unknown section {', '.join(bad)}; choose from all, {', '.join(SECTIONS)}")
-    if a.quick:
-        a.d_model, a.batch, a.rounds, a.mem_rounds, a.random_steps = 256, 1, 1, 1, 3
-    torch.set_num_threads(a.threads)
-    if "_child" in a.what:
-        return child(a)
-    from pretrain.malloc import active_allocator, use_caching_allocator
+    sections.run(p, SECTIONS, globals(), children={"_child": child}, quick=_quick)
 
-    use_caching_allocator()  # as `pretrain train` does (may re-execute this script once)
-    what = SECTIONS if "all" in a.what else [s for s in SECTIONS if s in a.what]
-    started = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), allocator {active_allocator()} "
-          f"(fresh processes: glibc malloc), {load()}", flush=True)
-    for section in what:
-        globals()[f"bench_{section}"](a)
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+
+def _quick(a) -> None:
+    a.d_model, a.batch, a.rounds, a.mem_rounds, a.random_steps = 256, 1, 1, 1, 3
 
 
 if __name__ == "__main__":

@@ -75,8 +75,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # tests/distributed.py: run_ran
 
 import torch  # noqa: E402
 
+import sections  # noqa: E402  (benchmarks/)
 from bench_sps import load, rounds_of  # noqa: E402  (benchmarks/)
-from procmem import status_kib  # noqa: E402  (benchmarks/)
+from procmem import fresh_env, reset_peak, status_kib  # noqa: E402  (benchmarks/)
 from kernels.rt_prefill import reference, schedule, tiled  # noqa: E402
 from pretrain.models.rt import RT, LayerView, RTConfig  # noqa: E402
 
@@ -144,16 +145,6 @@ def bench_keys(a) -> None:
 
 
 # -- memory -----------------------------------------------------------------------------------------
-def reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux: writing 5 to clear_refs); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_child(a) -> None:
     """One path, one N, in this process; prints JSON: the step's peak over the RSS before it."""
     N, B, d = a.seq, a.batch, a.d_model
@@ -173,9 +164,7 @@ def memory_child(a) -> None:
 
 
 def bench_memory(a) -> None:
-    env = dict(os.environ, MALLOC_ARENA_MAX="1", PRETRAIN_MALLOC="system")
-    env.pop("LD_PRELOAD", None)  # glibc malloc: freed memory leaves RSS, so the peak is the step's own
-    env.pop("PRETRAIN_MALLOC_APPLIED", None)
+    env = fresh_env(mmap_threshold=None)
     res = {(N, p): [] for N in a.mem_seqs for p in PATHS}
     print(f"memory ({load()}):", flush=True)
     for r in range(a.mem_rounds):
@@ -579,27 +568,13 @@ def main() -> None:
     p.add_argument("--tp-rounds", type=int, default=5, help="tp: timed rounds of the all-reduces")
     p.add_argument("--tp-layer-rounds", type=int, default=2, help="tp: timed forward + backward of each layer")
     p.add_argument("--path", default="tiled", choices=list(PATHS), help=argparse.SUPPRESS)  # _memory_child
-    a = p.parse_args()
-    a.what = a.what or ["all"]
-    bad = [w for w in a.what if w not in ("all", *SECTIONS, "_memory_child")]
-    if bad:
-        p.error(f"unknown section {', '.join(bad)}; choose from all, {', '.join(SECTIONS)}")
-    if a.quick:
-        (a.mem_seqs, a.mem_rounds, a.seq, a.rounds, a.tp_seq, a.tp_rounds,
-         a.tp_layer_rounds) = [64, 128, 256], 1, 128, 1, 64, 1, 1
-    torch.set_num_threads(a.threads)
-    if "_memory_child" in a.what:
-        return memory_child(a)
-    from pretrain.malloc import active_allocator, use_caching_allocator
+    sections.run(p, SECTIONS, globals(), children={"_memory_child": memory_child}, quick=_quick,
+                 note="memory children: glibc malloc")
 
-    use_caching_allocator()  # as `pretrain train` does (may re-execute this script once)
-    what = SECTIONS if "all" in a.what else [s for s in SECTIONS if s in a.what]
-    started = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), allocator {active_allocator()} "
-          f"(memory children: glibc malloc), {load()}", flush=True)
-    for section in what:
-        globals()[f"bench_{section}"](a)
-    print(f"\n(total {time.perf_counter() - started:.0f} s)")
+
+def _quick(a) -> None:
+    (a.mem_seqs, a.mem_rounds, a.seq, a.rounds, a.tp_seq, a.tp_rounds,
+     a.tp_layer_rounds) = [64, 128, 256], 1, 128, 1, 64, 1, 1
 
 
 if __name__ == "__main__":

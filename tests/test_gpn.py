@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.delta_memory import chunked, delta_memory, reference
+from pretrain.config import load_config
 from pretrain.data.batch import collate
 from pretrain.models import count_parameters, get_arch
 from pretrain.models.gpn import GPN, GPNConfig, parameter_counts
@@ -403,10 +404,78 @@ def test_bad_model_fields_are_one_sentence(kw, match):
 
 
 def test_segment_or_truncation_longer_than_the_window_is_refused_before_any_work():
-    from pretrain.config import load_config
-
     for field in ("segment", "tbptt"):
         with pytest.raises(ValueError, match=f"model.{field}=300 is longer than the window"):
             load_config("gpn/tiny", [f"model.{field}=300", "data.seq_len=128"], check_data=False)
     with pytest.raises(ValueError, match="parallel.tp=2 is not supported"):
         load_config("gpn/tiny", ["parallel.tp=2"], check_data=False)
+
+
+# -- T9: the recipe's schedule ---------------------------------------------------------------------------
+def test_the_papers_schedule_and_decay_mask():
+    from pretrain.optim import lr_at, param_groups
+
+    cfg = load_config("gpn/gpn-m-130m", [], check_data=False)
+    lr = lambda step: lr_at(step, cfg.train.max_steps, cfg.optim, cfg.schedule)  # noqa: E731
+    assert lr(0) == 0.0
+    assert lr(50) == pytest.approx(3e-4, rel=1e-12) and lr(100) == pytest.approx(6e-4, rel=1e-12)
+    assert lr(10_000) == pytest.approx(6e-5, rel=1e-12)
+    m = model_of(torch.float32, perturb=0.0)
+    groups = param_groups(m, cfg.optim.weight_decay, cfg.optim.decay_all)
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in m.named_parameters():  # matrices decay; norms, biases, A_log and dt_bias do not
+        assert (id(p) in decayed) == (p.ndim >= 2), name
+
+
+# -- T10: associative recall ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_associative_recall_gpn_m_far_above_bare_gpn():
+    """Spec T10: 8 pairs then 16 queries, V=64, T=48, d=64, 4 heads of 16 x 16, batch 32, AdamW 3e-3, 500
+    steps: the memory's query accuracy is far above bare GPN's at the same width, and the memory is used."""
+    from pretrain.tasks import TaskCollator, TaskDataset
+    from pretrain.tasks.associative_recall import AssociativeRecallConfig
+
+    params = AssociativeRecallConfig()
+    train, held = TaskDataset("associative_recall", params, 0), TaskDataset("associative_recall", params, None)
+    collate_ = TaskCollator()
+    valid = collate_(held.get_many(range(256)))
+    acc = {}
+    for name, heads in (("gpn+m", 4), ("gpn", 0)):
+        torch.manual_seed(0)
+        m = GPN(GPNConfig(vocab_size=64, d_emb=32, d_state=64, d_ffn=128, mem_heads=heads, d_key=16, d_value=16))
+        opt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        for step in range(500):
+            loss, diag = m(collate_(train.get_many(range(32 * step, 32 * step + 32))))
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+        with torch.no_grad():
+            pred = m.logits(valid.tokens).argmax(-1)
+        acc[name] = (pred == valid.labels)[valid.loss_mask].float().mean().item()
+        if heads:
+            assert diag["mem_effect"] > 0
+    assert acc["gpn+m"] > acc["gpn"] + 0.3, acc
+
+
+@pytest.mark.parametrize("kw", [{}, {"d_state": 64}, {"mem_heads": 8}, {"n_layers": 2}, {"mem_heads": 0}])
+def test_the_activation_estimate_follows_what_autograd_keeps(kw):
+    """pretrain info's BPTT estimate (activation_bytes) against the bytes autograd saves per step."""
+    from pretrain.models.gpn import activation_bytes
+
+    m = model_of(torch.float32, perturb=0.0, **kw)
+
+    def saved(T):
+        storages = {}
+
+        def keep(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            m(batch_of(B=1, T=T))
+        return sum(storages.values())
+
+    per_step = (saved(40) - saved(20)) / 20
+    estimate = activation_bytes(m.cfg, 1, 1, "none")
+    assert 0.8 < estimate / per_step < 1.25, (estimate, per_step)

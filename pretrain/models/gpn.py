@@ -199,6 +199,11 @@ class GPN(nn.Module):
         self.head = LMHead(E, cfg.vocab_size, tied=self.embed, loss_chunk=cfg.loss_chunk)
         self.segment_recompute = False  # parallel.recompute=full (GPN's configs): each segment checkpointed
 
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile of the step only (train.compile): the window's loop stays in Python, since
+        tracing it would unroll T steps into one graph; each step runs the compiled graph."""
+        self.iterate = torch.compile(self.iterate, *args, **kwargs)
+
     # -- the loop's matrices ---------------------------------------------------------------------
     def _layer_parts(self, layer: PredictLayer) -> list[tuple[Tensor, Tensor | None, Tensor]]:
         parts = [(layer.w1.weight, None, layer.ffn_norm.weight), (layer.gate.proj.weight, layer.gate.proj.bias,
@@ -351,7 +356,8 @@ class GPN(nn.Module):
                 start = torch.ones_like(batch.doc_ids, dtype=torch.bool)
                 start[:, 1:] = batch.doc_ids[:, 1:] != batch.doc_ids[:, :-1]
                 sp = sp.masked_fill(start[..., None], 0.0)
-            targets = batch.tokens
+            # target t: the label of position t - 1 (the token itself in text), position 0's own token
+            targets = torch.cat([batch.tokens[:, :1], batch.labels[:, :-1]], 1)
             mask = torch.cat([torch.ones_like(batch.loss_mask[:, :1]), batch.loss_mask[:, :-1]], 1)
         loss = self.head.loss(self.decode(sp), targets, mask)
         diag = {k: torch.stack(v).mean().detach() for k, v in probe.items() if v}
@@ -384,6 +390,22 @@ def parameter_counts(cfg: GPNConfig) -> dict[str, int]:
             "state_numbers": H * dk + d + H * dk * dv}
 
 
+def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
+    """BPTT's activation bytes for `batch` windows of seq_len in fp32: with recompute "none", what autograd
+    keeps per step (about (1 + L) memories, for the write's and each read's backward, and some tens of
+    state-wide vectors: a fit to the saved tensors, checked by tests/test_gpn.py) times T; with segment
+    recomputation, the T/S segment-start states plus one live segment of S steps."""
+    n = parameter_counts(cfg)
+    H, L = cfg.mem_heads, cfg.n_layers
+    per_step = (1 + L) * n["memory_cells"] + 14 * cfg.d_state + 4 * cfg.d_ffn * L + 3 * H * (cfg.d_key + cfg.d_value)
+    if recompute == "none":
+        floats = seq_len * per_step
+    else:
+        S = cfg.segment_for(seq_len)
+        floats = -(-seq_len // S) * n["state_numbers"] + S * per_step
+    return 4 * batch * floats
+
+
 def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:
     n = parameter_counts(cfg)
     H, dk, dv = cfg.mem_heads, cfg.d_key, cfg.d_value
@@ -401,10 +423,15 @@ FLOPS_FORMULA = ("6 * N + 3 * (4 + 2 L) H d_k d_v: every parameter in one multip
 def info(cfg: GPNConfig) -> list[str]:
     n = parameter_counts(cfg)
     state_bytes = 4 * n["state_numbers"]
+    T = 2048
+    none, full = activation_bytes(cfg, T, 1, "none"), activation_bytes(cfg, T, 1, "full")
     return [f"inside the time loop: {n['loop']:,} parameters ({n['loop'] / n['total']:.0%}); the rest (embedding, "
             "fuse, decode) runs once over the window",
             f"decode state: {n['state_numbers']:,} numbers per sequence, {state_bytes:,} bytes in fp32 (memory "
-            f"{n['memory_cells']:,} cells), whatever the context length"]
+            f"{n['memory_cells']:,} cells), whatever the context length",
+            f"BPTT activations per sequence (estimate): {none / T / 2**20:,.2f} MB per token with parallel.recompute=none "
+            f"({none / 2**30:,.2f} GB at a {T:,}-token window); {full / 2**20:,.0f} MB at {T:,} with "
+            f"parallel.recompute=full (segments of {cfg.segment_for(T)})"]
 
 
 def _recompute_segments(model: GPN) -> None:
@@ -418,6 +445,7 @@ SPEC = register(ArchSpec(
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
     info=info,
+    activation_bytes=activation_bytes,
     decode=DecodeRelation("exact"),
     progress=("mem_effect",),
     supports=Support(tp=False, sp=False, reasons={
