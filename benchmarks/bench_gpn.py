@@ -16,18 +16,18 @@ like T without recomputation and like sqrt(T) with it (T/S segment-start states 
 S = sqrt(T)), on top of what is O(T) either way and small: the inputs, the s^p outputs, the loss.
 
 hoist: a training step (forward, backward) of the same model and batch in two forms: the model's own
-(fuse, decode and loss over the whole window outside the time loop; inside it, each state's projections
-as one folded matrix product) and the naive per-step loop written here from the same modules (per step:
-embed, fuse, every projection with its own norm, decode, logits and cross-entropy: the released JAX
-code's step, spec §5.1.4). At the tiny config (T=128, batch 16) and at the 130M 1-layer shape (T=256,
-batch 1, one round: ~1 min per form). The model beside it: time = max(FLOPs / peak, bytes / bandwidth)
-+ ops x per-op cost, with the fp32 matmul peak and the memory bandwidth probed here, the FLOPs the
-forms' (equal: the same arithmetic), the weight bytes each step streams (forward and backward read the
-loop's weights once per step each and write their gradient once: 3 x 4 bytes per parameter per step;
-the naive form also streams the fuse and decode weights and the V x E head every step, the hoisted one
-once per window), and the aten ops each form dispatches per training step (counted with a dispatch
-mode), priced at the cost of a small op measured here. Predicted gain = naive time / hoisted time by that
-model; the issue's bar is 80% of it. Then torch.compile of the step (model.iterate) at the tiny config.
+(fuse, decode and loss over the whole window outside the time loop; inside it, each state's
+projections as one folded matrix product) and the naive per-step loop written here from the same
+modules (per step: embed, fuse, every projection with its own norm, decode, logits and cross-entropy:
+the released JAX code's step, spec §5.1.4). At the tiny config (T=128, batch 16) and at the 130M
+1-layer shape (T=256, batch 1, one round: a few minutes per form). The model beside it: time =
+max(FLOPs / peak, bytes / bandwidth) + ops x per-op cost, with the fp32 matmul peak, the memory
+bandwidth (a 256 MB copy) and the cost of a small op probed here; the FLOPs are the forms' (equal: the
+same arithmetic); the bytes are the weights each step streams (`predicted` has the counts: every weight
+every step in the naive form, the V x E head included; the loop's every step and the rest once per
+window in the hoisted one); the ops are the aten ops each form dispatches per training step, counted
+with a dispatch mode. Predicted gain = naive time / hoisted time by that model; the issue's bar is
+80% of the gain above 1. Then torch.compile of the step (model.iterate) at the tiny config.
 
 decode: tokens/s of streaming decode, batch 1, after a 2,048-token context, for GPN+M 130M (its state
 is the same size at any context: it decodes from a state built from 64 tokens) and the Transformer++ of
@@ -187,8 +187,8 @@ FORMS = {"naive": lambda m, b: naive_loss(m, b.tokens, b.labels), "hoisted": lam
 
 
 def probe_bandwidth() -> float:
-    """Bytes per second of a large copy (read + write), the memory-traffic roof."""
-    x = torch.empty(64 * 2**20 // 4)
+    """Bytes per second of a copy (read + write) of 256 MB, far above the caches: the memory-traffic roof."""
+    x = torch.ones(256 * 2**20 // 4)
     y = torch.empty_like(x)
     y.copy_(x)
     t0 = time.perf_counter()
@@ -209,11 +209,17 @@ def probe_op_cost() -> float:
 
 
 def predicted(cfg: GPNConfig, B: int, T: int, ops: dict, peak: float, bw: float, op_s: float) -> dict:
+    """Seconds per training step of each form by the model: max(FLOPs / peak, bytes / bandwidth) + ops x op_s.
+    Bytes: a weight used in a step is read in the forward and in the backward and its gradient is computed
+    and accumulated (4 + 4 + 4 + 8 = 20 bytes per parameter); the naive form uses every weight every step
+    (the head's V x E included), the hoisted one the loop's every step, the rest once per window, plus
+    folding the norms into the loop's matrices once per window (8 bytes forward, 12 backward); AdamW
+    reads and writes parameters, moments and gradients once per step (28 bytes) in both."""
     n = parameter_counts(cfg)
     flops = 6.0 * n["total"] * B * T  # per training step, both forms
     loop, out = n["loop"], n["total"] - n["loop"]
-    bytes_ = {"naive": 12.0 * (loop + out) * T, "hoisted": 12.0 * (loop * T + out)}  # weights read/written
-    return {f: max(flops / peak, bytes_[f] / bw) + ops[f] * op_s for f in FORMS}
+    bytes_ = {"naive": 20.0 * (loop + out) * T, "hoisted": 20.0 * (loop * T + out) + 20.0 * loop}
+    return {f: max(flops / peak, (bytes_[f] + 28.0 * n["total"]) / bw) + ops[f] * op_s for f in FORMS}
 
 
 def bench_hoist(a) -> None:

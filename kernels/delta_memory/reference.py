@@ -14,14 +14,17 @@ from torch import Tensor
 
 
 def write(M: Tensor, k: Tensor, v: Tensor, beta: Tensor, alpha: Tensor) -> Tensor:
-    """One write: the new memory (out of place, for autograd)."""
-    erase = torch.einsum("bhkv,bhk->bhv", M, k)
-    return alpha[..., None, None] * M + (beta[..., None] * (v - erase))[..., None, :] * k[..., :, None]
+    """One write: the new memory (out of place, for autograd), as batched matrix products over B x H."""
+    B, H, dk, dv = M.shape
+    M3, k3 = M.reshape(B * H, dk, dv), k.reshape(B * H, 1, dk)
+    u = beta.reshape(B * H, 1, 1) * (v.reshape(B * H, 1, dv) - torch.bmm(k3, M3))  # beta (v - M^T k)
+    return torch.baddbmm(M3 * alpha.reshape(B * H, 1, 1), k3.transpose(1, 2), u).view(B, H, dk, dv)
 
 
 def read(M: Tensor, q: Tensor) -> Tensor:
     """M^T q per head: [B, H, d_v]."""
-    return torch.einsum("bhkv,bhk->bhv", M, q)
+    B, H, dk, dv = M.shape
+    return torch.bmm(q.reshape(B * H, 1, dk), M.reshape(B * H, dk, dv)).view(B, H, dv)
 
 
 def recurrence(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, alpha: Tensor, M0: Tensor | None = None,

@@ -179,6 +179,8 @@ class Folded:
     later: list[tuple[Tensor, Tensor]]  # layers 1..: W_1 | W_pg | W_q | W_rg on the previous sub-layer's output
     sizes_first: list[int]
     sizes_later: list[int]
+    outs: list[Tensor]  # per layer: W_o diag(w_onorm) (the read-out norm's weight folded in)
+    neg_A: Tensor | None  # -exp(A_log): the decay's per-head rate
 
 
 class GPN(nn.Module):
@@ -226,13 +228,29 @@ class GPN(nn.Module):
         if self.write is not None:
             w, n = self.write, self.write.norm.weight
             # the key's bias is added where the key is used (the carried projection starts at zero)
-            first += [(w.v.weight, None, n), (w.beta.weight, None, n), (w.a.weight, None, n), (w.k.weight, None, n)]
+            first += [(w.v.weight, None, n), (w.beta.weight, None, n), (w.a.weight, w.dt_bias, n), (w.k.weight, None, n)]
         W0, b0, sizes_first = stack(first)
         later, sizes_later = [], []
         for layer in self.layers[1:]:
             W, b, sizes_later = stack(self._layer_parts(layer))
             later.append((W, b))
-        return Folded((g.proj.weight * g.norm.weight, g.proj.bias), (W0, b0), later, sizes_first, sizes_later)
+        outs = [layer.o.weight * layer.out_norm.weight for layer in self.layers] if self.write is not None else []
+        neg_A = -torch.exp(self.write.A_log) if self.write is not None else None
+        return Folded((g.proj.weight * g.norm.weight, g.proj.bias), (W0, b0), later, sizes_first, sizes_later, outs,
+                      neg_A)
+
+    def _folded_for(self, grad: bool) -> Folded:
+        """The folded matrices; without autograd, kept between calls while no parameter changed (decode
+        folds once, not once per token)."""
+        if grad:
+            return self.folded()
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        cached = getattr(self, "_folded_cache", None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = (key, self.folded())
+            self._folded_cache = cached
+        return cached[1]
 
     # -- one step ----------------------------------------------------------------------------------
     def new_state(self, batch_size: int) -> list[Tensor]:
@@ -244,23 +262,22 @@ class GPN(nn.Module):
         z = lambda *shape: torch.zeros(*shape, device=p.device, dtype=dtype)  # noqa: E731
         return [z(B, H * cfg.d_key), z(B, H, cfg.d_key, cfg.d_value), z(B, d)]
 
-    def _predict(self, layer: PredictLayer, s: Tensor, z: list[Tensor], M: Tensor | None, probe: dict | None) -> Tensor:
-        """One predict sub-layer from its projections z = [a | b, gate, (q, rg)] of s."""
-        cfg = self.cfg
+    def _predict(self, i: int, s: Tensor, z: list[Tensor], M: Tensor | None, W: Folded, probe: dict | None) -> Tensor:
+        """Predict sub-layer i from its projections z = [a | b, gate, (q, rg)] of s."""
+        cfg, layer = self.cfg, self.layers[i]
         F_ = cfg.d_ffn
         ab, pg = z[0], z[1]
         ffn = layer.w2(F.silu(ab[..., :F_]) * ab[..., F_:])
-        kept = torch.sigmoid(pg) * s
-        out = kept + ffn
+        out = torch.addcmul(ffn, torch.sigmoid(pg), s)  # Gate_p(s) * s + FFN(s)
         if M is not None:
             q = _unit(F.relu(z[2]).unflatten(-1, (cfg.mem_heads, cfg.d_key)))
             with _state_precision(M):
                 o = memory.read(M, q.to(M.dtype)).flatten(-2)
-            mem = layer.o(F.silu(z[3]) * layer.out_norm(o))
-            out = out + mem
+            mem = F.linear(F.silu(z[3]) * _hat(o, cfg.norm_eps).to(z[3].dtype), W.outs[i])
             if probe is not None:
-                probe["mem_effect"].append((mem.norm(dim=-1) / (kept + ffn).norm(dim=-1).clamp(min=1e-12)).mean())
-                probe["mem_cos"].append(F.cosine_similarity(kept + ffn, out, dim=-1).mean())
+                probe["mem_effect"].append((mem.norm(dim=-1) / out.norm(dim=-1).clamp(min=1e-12)).mean())
+                probe["mem_cos"].append(F.cosine_similarity(out, out + mem, dim=-1).mean())
+            out = out + mem
         if probe is not None:
             probe["predict_gate"].append(torch.sigmoid(pg).mean())
         return out
@@ -270,15 +287,14 @@ class GPN(nn.Module):
         cfg, eps = self.cfg, self.cfg.norm_eps
         kw, M, sp = state
         fg = torch.sigmoid(F.linear(_hat(sp, eps), *W.fuse_gate))
-        sg = fg * sp + g
+        sg = torch.addcmul(g, fg, sp)  # ground: Gate_f(s^p) * s^p + G_t
         z = F.linear(_hat(sg, eps), *W.first).split(W.sizes_first, -1)
         if self.write is not None:
             H, dk = cfg.mem_heads, cfg.d_key
-            w = self.write
-            v, beta, a, kw_next = z[4], z[5], z[6], z[7]
-            k = _unit(F.relu(kw + w.k.bias).unflatten(-1, (H, dk)))
+            v, beta, a, kw_next = z[4], z[5], z[6], z[7]  # a: W_a u + dt_bias (folded)
+            k = _unit(F.relu(kw + self.write.k.bias).unflatten(-1, (H, dk)))
             with _state_precision(M):  # the memory in the state's precision (fp32) under bf16 autocast
-                alpha = torch.exp(-torch.exp(w.A_log) * F.softplus(a.to(M.dtype) + w.dt_bias))
+                alpha = torch.exp(W.neg_A * F.softplus(a.to(M.dtype)))
                 M = memory.write(M, k.to(M.dtype), v.unflatten(-1, (H, cfg.d_value)).to(M.dtype),
                                  torch.sigmoid(beta).to(M.dtype), alpha)
             if probe is not None:
@@ -286,10 +302,10 @@ class GPN(nn.Module):
                 probe["mem_norm"].append(M.flatten(1).norm(dim=-1).mean())
         else:
             kw_next, M = kw, M
-        s = self._predict(self.layers[0], sg, list(z[:4]), M if self.write is not None else None, probe)
-        for layer, Wl in zip(self.layers[1:], W.later):
+        s = self._predict(0, sg, list(z[:4]), M if self.write is not None else None, W, probe)
+        for i, Wl in enumerate(W.later, 1):
             zl = F.linear(_hat(s, eps), *Wl).split(W.sizes_later, -1)
-            s = self._predict(layer, s, list(zl), M, probe)
+            s = self._predict(i, s, list(zl), M, W, probe)
         if probe is not None:
             probe["fuse_gate"].append(fg.mean())
         return [kw_next, M, s.to(sp.dtype)]
@@ -315,7 +331,7 @@ class GPN(nn.Module):
         B, T = tokens.shape
         state = state if state is not None else self.new_state(B)
         G = self.fuse(self.fuse_norm(self.embed(tokens))).to(state[2].dtype)
-        W = self.folded()
+        W = self._folded_for(torch.is_grad_enabled())
         keep = None
         if cfg.reset_at_documents and doc_ids is not None:
             keep = torch.ones(B, T, dtype=G.dtype, device=G.device)
@@ -329,8 +345,8 @@ class GPN(nn.Module):
                 state = [x.detach() for x in state]  # truncated BPTT: nothing earlier gets this gradient
             seg_keep = keep[:, s:e] if keep is not None else None
             if probe is not None:  # the diagnostics: the segment's first step once more, without gradient
-                with torch.no_grad():
-                    self.iterate(state, G[:, s], W, probe)
+                with torch.no_grad():  # the class's step: a compiled one (train.compile) keeps its one graph
+                    GPN.iterate(self, state, G[:, s], W, probe)
             if self.segment_recompute and torch.is_grad_enabled():
                 sp, state = checkpoint(self._run, state, G[:, s:e], W, seg_keep, use_reentrant=False)
             else:
