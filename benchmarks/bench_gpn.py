@@ -7,13 +7,15 @@ of the same parameters. Figures only, nothing asserted.
     PYTHONPATH=. python benchmarks/bench_gpn.py memory hoist       # just these
     PYTHONPATH=. python benchmarks/bench_gpn.py --quick            # a smoke run (figures imprecise)
 
-memory: one training step (forward + backward) of a small GPN+M (--mem-width: d, E = d/2, F = 2d, 4 heads
-of 32 x 64) at batch --mem-batch, T = 256, 1024 and 4096, with parallel.recompute=none (every step's
-activations kept) and full (segments of ceil(sqrt(T)) steps, each recomputed in the backward), each in a
-fresh process under glibc malloc (procmem.fresh_env); the peak is VmHWM after the step (reset to the RSS
-just before it) minus the RSS before it, after a short step that allocated the gradients. Memory grows
-like T without recomputation and like sqrt(T) with it (T/S segment-start states plus one live segment,
-S = sqrt(T)), on top of what is O(T) either way and small: the inputs, the s^p outputs, the loss.
+memory: one training step (forward + backward) of a small GPN+M (--mem-width: d, E = d/2, F = 2d, 4
+heads of 32 x 64; the loss chunked, model.loss_chunk=256, so that the [T, V] logits, O(T) with or
+without recompute, do not hide the recurrence) at batch --mem-batch, T = 256, 1024 and 4096, with
+parallel.recompute=none (every step's activations kept) and full (segments of ceil(sqrt(T)) steps, each
+recomputed in the backward), each in a fresh process under glibc malloc (procmem.fresh_env); the peak is
+VmHWM after the step (reset to the RSS just before it) minus the RSS before it, after a short step that
+allocated the gradients. Memory grows like T without recomputation and like sqrt(T) with it (T/S
+segment-start states plus one live segment, S = sqrt(T)), on top of what is O(T) either way and small:
+the inputs, the s^p outputs, the loss.
 
 hoist: a training step (forward, backward) of the same model and batch in two forms: the model's own
 (fuse, decode and loss over the whole window outside the time loop; inside it, each state's
@@ -65,8 +67,9 @@ from pretrain.models.gpn import GPN, GPNConfig, parameter_counts  # noqa: E402
 SECTIONS = ("memory", "hoist", "decode")
 
 
-def small_cfg(d: int, vocab: int) -> GPNConfig:
-    return GPNConfig(vocab_size=vocab, d_emb=d // 2, d_state=d, d_ffn=2 * d, mem_heads=4, d_key=32, d_value=64)
+def small_cfg(d: int, vocab: int, loss_chunk: int = 0) -> GPNConfig:
+    return GPNConfig(vocab_size=vocab, d_emb=d // 2, d_state=d, d_ffn=2 * d, mem_heads=4, d_key=32, d_value=64,
+                     loss_chunk=loss_chunk)
 
 
 def tiny_cfg() -> GPNConfig:
@@ -82,7 +85,7 @@ def build(cfg: GPNConfig, recompute: bool = False) -> GPN:
 
 # -- memory ---------------------------------------------------------------------------------------------
 def memory_child(a) -> None:
-    model = build(small_cfg(a.mem_width, a.vocab), a.recompute == "full")
+    model = build(small_cfg(a.mem_width, a.vocab, a.mem_loss_chunk), a.recompute == "full")
     model(batch_of(1, 8, a.vocab))[0].backward()  # gradients allocated, libraries warm
     batch = batch_of(a.mem_batch, a.seq, a.vocab)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -102,23 +105,28 @@ def bench_memory(a) -> None:
         for policy in ("none", "full"):
             cmd = [sys.executable, __file__, "_memory_child", "--recompute", policy, "--seq", str(T), "--mem-width",
                    str(a.mem_width), "--mem-batch", str(a.mem_batch), "--vocab", str(a.vocab), "--threads",
-                   str(a.threads)]
+                   str(a.threads), "--mem-loss-chunk", str(a.mem_loss_chunk)]
             out = subprocess.run(cmd, capture_output=True, text=True, env=fresh_env())
             if out.returncode:
                 raise SystemExit(f"memory child failed:\n{out.stderr[-3000:]}")
             res[(T, policy)] = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"  T={T} recompute {policy}: {res[(T, policy)]['mb']:,.1f} MB in {res[(T, policy)]['s']:.1f} s",
                   flush=True)
-    cfg = small_cfg(a.mem_width, a.vocab)
+    cfg = small_cfg(a.mem_width, a.vocab, a.mem_loss_chunk)
     cell_mb = a.mem_batch * cfg.mem_heads * cfg.d_key * cfg.d_value * 4 / 2**20
     print(f"\n# peak activation memory of one training step (forward + backward), GPN+M d={cfg.d_state} E={cfg.d_emb} "
           f"F={cfg.d_ffn} memory {cfg.mem_heads} x {cfg.d_key} x {cfg.d_value}, vocab {a.vocab}, batch {a.mem_batch}, "
-          f"fp32; fresh process each; one memory M = {cell_mb:.2f} MB")
-    print(f"{'T':>6} {'S':>4} {'none MB':>9} {'full MB':>9} {'full/none':>10} {'step s none':>12} {'step s full':>12}")
+          f"model.loss_chunk={cfg.loss_chunk}, fp32; fresh process each; one memory M = {cell_mb:.2f} MB; estimate: "
+          f"pretrain info's activation_bytes")
+    from pretrain.models.gpn import activation_bytes
+
+    print(f"{'T':>6} {'S':>4} {'none MB':>9} {'estimate':>9} {'full MB':>9} {'estimate':>9} {'full/none':>10} "
+          f"{'step s none':>12} {'step s full':>12}")
     for T in a.mem_seqs:
         n, f = res[(T, "none")], res[(T, "full")]
-        print(f"{T:>6} {cfg.segment_for(T):>4} {n['mb']:>9,.1f} {f['mb']:>9,.1f} {f['mb'] / n['mb']:>9.2f}x "
-              f"{n['s']:>12.2f} {f['s']:>12.2f}")
+        est = {p: activation_bytes(cfg, T, a.mem_batch, p) / 2**20 for p in ("none", "full")}
+        print(f"{T:>6} {cfg.segment_for(T):>4} {n['mb']:>9,.1f} {est['none']:>9,.1f} {f['mb']:>9,.1f} {est['full']:>9,.1f} "
+              f"{f['mb'] / n['mb']:>9.2f}x {n['s']:>12.2f} {f['s']:>12.2f}")
     for lo, hi in zip(a.mem_seqs, a.mem_seqs[1:]):
         k = hi / lo
         print(f"RATIO T={hi} / T={lo} ({k:.0f}x the window): none {res[(hi, 'none')]['mb'] / res[(lo, 'none')]['mb']:.2f}x "
@@ -290,7 +298,7 @@ def bench_decode(a) -> None:
     torch.manual_seed(0)
     gpn = GPN(GPNConfig()).eval()
     spec_b = get_arch("baseline")
-    bcfg = load_config("baseline/gpn-130m", [], check_data=False).model
+    bcfg = load_config("baseline/gpn-130m", [f"model.max_seq_len={a.context + a.decode_tokens}"], check_data=False).model
     base = spec_b.build(bcfg).eval()
     ctx = torch.randint(5, 32000, (1, a.context))
     n = a.decode_tokens
@@ -335,6 +343,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=4096, help="memory: the vocabulary")
     p.add_argument("--mem-width", type=int, default=256, help="memory: d")
     p.add_argument("--mem-batch", type=int, default=2, help="memory: sequences per step")
+    p.add_argument("--mem-loss-chunk", type=int, default=256,
+                   help="memory: model.loss_chunk (0: the whole [T, V] logits, which then dominate and grow like T)")
     p.add_argument("--mem-seqs", type=lambda s: [int(x) for x in s.split(",")], default=[256, 1024, 4096],
                    help="memory: the windows T, comma-separated")
     p.add_argument("--rounds", type=int, default=5, help="hoist: alternating rounds at the tiny config (medians)")

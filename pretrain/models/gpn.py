@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from kernels.delta_memory import reference as memory
 from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, replicated_parameter
@@ -180,7 +179,54 @@ class Folded:
     sizes_first: list[int]
     sizes_later: list[int]
     outs: list[Tensor]  # per layer: W_o diag(w_onorm) (the read-out norm's weight folded in)
+    downs: list[Tensor]  # per layer: the FFN's W_2
     neg_A: Tensor | None  # -exp(A_log): the decay's per-head rate
+    k_bias: Tensor | None  # the key's bias (added where the key is used)
+
+    # Every parameter the loop uses comes through these tensors (never a module's own), so that a
+    # segment's backward can return their gradients as its inputs' (_Segment).
+    def tensors(self) -> list[Tensor]:
+        flat = [*self.fuse_gate, *self.first, *(t for pair in self.later for t in pair), *self.outs, *self.downs]
+        return flat + [t for t in (self.neg_A, self.k_bias) if t is not None]
+
+    def with_tensors(self, flat: list[Tensor]) -> "Folded":
+        it = iter(flat)
+        take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+        fuse_gate, first = tuple(take(2)), tuple(take(2))
+        later = [tuple(take(2)) for _ in self.later]
+        outs, downs = take(len(self.outs)), take(len(self.downs))
+        neg_A = next(it) if self.neg_A is not None else None
+        k_bias = next(it) if self.k_bias is not None else None
+        return Folded(fuse_gate, first, later, self.sizes_first, self.sizes_later, outs, downs, neg_A, k_bias)
+
+
+class _Segment(torch.autograd.Function):
+    """S steps of the loop as one autograd node: the forward runs without a graph (nothing kept but the
+    segment's inputs: its start state, its slice of G and the loop's matrices, which live anyway); the
+    backward runs the segment again with a graph and differentiates it. One node per segment, not one
+    per op and step: memory O(T/S + S) in the window (torch's non-reentrant checkpoint keeps a holder
+    per saved tensor of every step, O(T) however small, measured at about 50 KB per token)."""
+
+    @staticmethod
+    def forward(ctx, model, W: Folded, n_state: int, keep, *inputs):
+        state, G, flat = list(inputs[:n_state]), inputs[n_state], inputs[n_state + 1:]
+        with torch.no_grad():
+            sp, state = model._run(state, G, W.with_tensors(list(flat)), keep)
+        ctx.model, ctx.W, ctx.n_state, ctx.keep = model, W, n_state, keep
+        ctx.save_for_backward(*inputs)
+        return sp, *state
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[4:])]
+        n = ctx.n_state
+        with torch.enable_grad():
+            sp, state = ctx.model._run(inputs[:n], inputs[n], ctx.W.with_tensors(inputs[n + 1:]), ctx.keep)
+        pairs = [(o, g) for o, g in zip([sp, *state], grads) if g is not None and o.requires_grad]
+        wanted = [t for t in inputs if t.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                   if pairs and wanted else [None] * len(wanted))
+        return (None, None, None, None, *[next(got) if t.requires_grad else None for t in inputs])
 
 
 class GPN(nn.Module):
@@ -234,10 +280,11 @@ class GPN(nn.Module):
         for layer in self.layers[1:]:
             W, b, sizes_later = stack(self._layer_parts(layer))
             later.append((W, b))
-        outs = [layer.o.weight * layer.out_norm.weight for layer in self.layers] if self.write is not None else []
-        neg_A = -torch.exp(self.write.A_log) if self.write is not None else None
+        mem = self.write is not None
+        outs = [layer.o.weight * layer.out_norm.weight for layer in self.layers] if mem else []
+        downs = [layer.w2.weight for layer in self.layers]
         return Folded((g.proj.weight * g.norm.weight, g.proj.bias), (W0, b0), later, sizes_first, sizes_later, outs,
-                      neg_A)
+                      downs, -torch.exp(self.write.A_log) if mem else None, self.write.k.bias if mem else None)
 
     def _folded_for(self, grad: bool) -> Folded:
         """The folded matrices; without autograd, kept between calls while no parameter changed (decode
@@ -264,10 +311,10 @@ class GPN(nn.Module):
 
     def _predict(self, i: int, s: Tensor, z: list[Tensor], M: Tensor | None, W: Folded, probe: dict | None) -> Tensor:
         """Predict sub-layer i from its projections z = [a | b, gate, (q, rg)] of s."""
-        cfg, layer = self.cfg, self.layers[i]
+        cfg = self.cfg
         F_ = cfg.d_ffn
         ab, pg = z[0], z[1]
-        ffn = layer.w2(F.silu(ab[..., :F_]) * ab[..., F_:])
+        ffn = F.linear(F.silu(ab[..., :F_]) * ab[..., F_:], W.downs[i])
         out = torch.addcmul(ffn, torch.sigmoid(pg), s)  # Gate_p(s) * s + FFN(s)
         if M is not None:
             q = _unit(F.relu(z[2]).unflatten(-1, (cfg.mem_heads, cfg.d_key)))
@@ -292,7 +339,7 @@ class GPN(nn.Module):
         if self.write is not None:
             H, dk = cfg.mem_heads, cfg.d_key
             v, beta, a, kw_next = z[4], z[5], z[6], z[7]  # a: W_a u + dt_bias (folded)
-            k = _unit(F.relu(kw + self.write.k.bias).unflatten(-1, (H, dk)))
+            k = _unit(F.relu(kw + W.k_bias).unflatten(-1, (H, dk)))
             with _state_precision(M):  # the memory in the state's precision (fp32) under bf16 autocast
                 alpha = torch.exp(W.neg_A * F.softplus(a.to(M.dtype)))
                 M = memory.write(M, k.to(M.dtype), v.unflatten(-1, (H, cfg.d_value)).to(M.dtype),
@@ -348,7 +395,7 @@ class GPN(nn.Module):
                 with torch.no_grad():  # the class's step: a compiled one (train.compile) keeps its one graph
                     GPN.iterate(self, state, G[:, s], W, probe)
             if self.segment_recompute and torch.is_grad_enabled():
-                sp, state = checkpoint(self._run, state, G[:, s:e], W, seg_keep, use_reentrant=False)
+                sp, *state = _Segment.apply(self, W, len(state), seg_keep, *state, G[:, s:e], *W.tensors())
             else:
                 sp, state = self._run(state, G[:, s:e], W, seg_keep)
             out.append(sp)
