@@ -288,8 +288,11 @@ class GPN(nn.Module):
 
     def _folded_for(self, grad: bool) -> Folded:
         """The folded matrices; without autograd, kept between calls while no parameter changed (decode
-        folds once, not once per token)."""
+        folds once, not once per token). A forward with autograd drops them: fused optimizers update
+        parameters in place without bumping their version counters, so the key alone would go stale
+        across training steps."""
         if grad:
+            self._folded_cache = None
             return self.folded()
         key = tuple((p.data_ptr(), p._version) for p in self.parameters())
         cached = getattr(self, "_folded_cache", None)
