@@ -11,7 +11,7 @@ same 256 held-out sequences at each evaluation. Chance is 1/32. The paper's LAMB
 corpus: GPN+M (configs/gpn/tiny: d=128, E=64, F=256, a memory of 4 heads of 16 x 32, T=128) against the
 Transformer++ baseline with the stored parameter count closest to it (configs/baseline/tiny at d=64,
 2 heads, the layer count chosen here; both counts printed), on the embedded quickstart corpus with the
-same steps, seed, data order and schedule (benchmarks/convergence.py's compare): validation loss
+same steps, seed, data order, optimizer and schedule (gpn/tiny's) (benchmarks/convergence.py's compare): validation loss
 against the step and against training FLOPs. The paper (130M, 2.6B tokens) has 1-layer GPN+M at
 18.06 perplexity against the Transformer++'s 16.05 (+13%).
 
@@ -45,7 +45,7 @@ def stored(config: str, extra: list[str]) -> int:
 def bench_recall(a) -> None:
     steps = a.steps
     a.steps = a.recall_steps
-    results = {name: train("gpn/recall", name, a, extra) for name, extra in
+    results = {name: train("gpn/recall", f"recall-{name}", a, extra) for name, extra in
                (("gpn+m", []), ("gpn", ["model.mem_heads=0"]))}
     a.steps = steps
     print(f"# associative recall (configs/gpn/recall), {a.recall_steps} steps; validation on 256 held-out sequences "
@@ -63,7 +63,10 @@ def bench_recall(a) -> None:
 
 def bench_corpus(a) -> None:
     target = stored("gpn/tiny", [])
-    base = ["model.d_model=64", "model.n_heads=2", "data.seq_len=128"]
+    # the same optimizer and schedule as gpn/tiny's
+    recipe = ["optim.lr=3e-3", "optim.min_lr=3e-4", "optim.weight_decay=0.1", "optim.beta1=0.9", "optim.beta2=0.95",
+              "optim.grad_clip=1.0", "schedule.kind=cosine"]
+    base = ["model.d_model=64", "model.n_heads=2", "data.seq_len=128", *recipe]
     L = min(range(1, 33), key=lambda n: abs(stored("baseline/tiny", base + [f"model.n_layers={n}"]) - target))
     runs = {"transformer": ("baseline/tiny", base + [f"model.n_layers={L}"]), "gpn+m": ("gpn/tiny", [])}
     print(f"# stored parameters: GPN+M (gpn/tiny) {target:,}; Transformer++ d=64 {L} layers "
@@ -81,10 +84,12 @@ def main() -> None:
     bad = [w for w in a.what if w not in SECTIONS]
     if bad:
         p.error(f"unknown section {', '.join(bad)}; choose from {', '.join(SECTIONS)}")
-    there = [f"{a.out}/{n}" for n in ("gpn+m", "gpn", "transformer") if os.path.exists(f"{a.out}/{n}")]
+    sections = a.what or SECTIONS
+    runs = {"recall": ("recall-gpn+m", "recall-gpn"), "corpus": ("gpn+m", "transformer")}
+    there = [f"{a.out}/{n}" for s in sections for n in runs[s] if os.path.exists(f"{a.out}/{n}")]
     if there:
         raise SystemExit(f"{', '.join(there)} exist: the trainer would resume them; remove them or pass another --out")
-    for section in a.what or SECTIONS:
+    for section in sections:
         globals()[f"bench_{section}"](a)
 
 
