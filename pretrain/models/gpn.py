@@ -19,9 +19,9 @@ time loop over all positions at once; inside it, every projection of a state sha
 RMS factor, so the norm weights are folded into the matrices once per forward and each state takes
 ONE matrix product (layer 0 and the memory write: W_1 | W_pg | W_q | W_rg | W_v | W_beta | W_a |
 W_k, the key kept for the next step). BPTT runs over the whole window by segments of `segment` steps
-(default ceil(sqrt(T))): under parallel.recompute=full (the configs' default) each segment is
-checkpointed, so a step keeps its segment-start states and one live segment (O(T/S + S) memories
-instead of T); `tbptt` detaches the carried state every tbptt steps (spec A10, §8.2: the state
+(default ceil(sqrt(T))): under parallel.recompute=full (the configs' default) each segment is one
+autograd node that runs again in the backward (_Segment), so a step keeps its segment-start states and
+one live segment (O(T/S + S) memories instead of T); `tbptt` detaches the carried state every tbptt steps (spec A10, §8.2: the state
 crossing a boundary already holds the previous step's token, and it takes no gradient either).
 
 The state (the last s^g's key projection, M, s^p) is the whole decode cache: streaming runs the
