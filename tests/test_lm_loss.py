@@ -98,3 +98,23 @@ def test_model_loss_chunk_trains_the_same_model():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=n)
     with pytest.raises(ValueError, match="loss_chunk"):
         spec.config_cls(loss_chunk=-1).validate()
+
+
+def test_chunked_under_bf16_autocast_follows_the_reference():
+    """Under autocast the head's input is bf16 and the weight fp32: the products run in bf16 (as the
+    reference's do), the softmax and sums in fp32, the gradients in the inputs' dtypes."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(50, 16, generator=g) * 0.3).requires_grad_()
+    x = torch.randn(2, 33, 16, generator=g)
+    y = torch.randint(0, 50, (2, 33), generator=g)
+    out = []
+    for fn, kw in ((reference.lm_loss, {}), (chunked.lm_loss, {"chunk": 8})):
+        w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.nn.functional.linear(x, torch.eye(16))  # a bf16 activation, as a model's under autocast
+            loss = fn(h, w, y, None, **kw)
+        loss.backward()
+        out.append((loss.detach().float(), w.grad.clone()))
+    assert out[1][1].dtype == torch.float32
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=5e-2, atol=5e-3)

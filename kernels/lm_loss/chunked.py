@@ -33,6 +33,13 @@ def _weights(labels: Tensor, loss_mask: Tensor | None, dtype: torch.dtype) -> Te
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, labels: Tensor, w: Tensor, chunk: int) -> Tensor:
+        # the products in h's dtype (bf16 under autocast: the caller's h already is), the softmax and the
+        # sums in float32; autocast off so that nothing below changes dtype behind these choices
+        with torch.autocast(h.device.type, enabled=False):
+            return _ChunkedLoss._forward(ctx, h, weight.to(h.dtype), weight.dtype, labels, w, chunk)
+
+    @staticmethod
+    def _forward(ctx, h: Tensor, weight: Tensor, weight_dtype, labels: Tensor, w: Tensor, chunk: int) -> Tensor:
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h) if need_h else None
@@ -54,7 +61,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 torch.matmul(g, weight, out=grad_h[s:s + chunk])
             if grad_w is not None:
                 grad_w.addmm_(g.t().to(acc), hc.to(acc))
-        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if grad_w is not None else None)
+        ctx.save_for_backward(grad_h, grad_w.to(weight_dtype) if grad_w is not None else None)
         return total
 
     @staticmethod
