@@ -260,15 +260,16 @@ class CART(Decoder):
         if not cfg.disable_lie:
             h_in = h_in + self.lie(loop_embedding(r, cfg.lie_dim, e.device, e.dtype))
         block = self.core_at(r)
-        if cfg.self_attn_core:
-            delta = block(h_in, a.at(slot0 + r)) - h_in
+        if cfg.self_attn_core:  # a residual block: its output is h_in + delta already
+            full = block(h_in, a.at(slot0 + r))
+            out = full if cfg.core_update == "reference" else full - h_in
         else:
             if cfg.unfreeze_kv:
                 k, v = self.kv_proj(h_in)
                 if cache is not None:
                     k, v, _ = cache.extend(slot0 + r, k, v)
             delta = block(h_in, k, v, a, offset)
-        out = delta + (h_in if cfg.core_update == "reference" else 0.0)
+            out = delta + h_in if cfg.core_update == "reference" else delta
         h = h_in + out if cfg.disable_lti else gate * h_in + out
         return [h, buf[0], buf[1]]
 
