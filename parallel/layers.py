@@ -106,6 +106,13 @@ class RMSNorm(nn.Module):
         y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(x32.dtype)).to(x.dtype)
 
+    def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
+        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
+        x32 = _at_least_fp32(x)
+        gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
+        rho = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (rho * gdy - x32 * rho.pow(3) * (x32 * gdy).mean(-1, keepdim=True)).to(x.dtype)
+
 
 class LayerNorm(nn.Module):
     """(x - mean) / std * weight + bias in float32 (GPT-2's norm; the CRT paper's "LN"); bias=False
@@ -126,6 +133,15 @@ class LayerNorm(nn.Module):
         bias = None if self.bias is None else self.bias.to(x32.dtype)
         y = F.layer_norm(x32, x.shape[-1:], self.weight.to(x32.dtype), bias, self.eps)
         return y.to(x.dtype)
+
+    def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
+        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
+        x32 = _at_least_fp32(x)
+        gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
+        centred = x32 - x32.mean(-1, keepdim=True)
+        rho = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        xhat = centred * rho
+        return (rho * (gdy - gdy.mean(-1, keepdim=True) - xhat * (gdy * xhat).mean(-1, keepdim=True))).to(x.dtype)
 
 
 def _sequence_split():

@@ -30,7 +30,6 @@ from torch import Tensor, nn
 
 from kernels.rt_prefill import rt_prefill, schedule, tiled
 from pretrain.models.base import EVAL
-from parallel.layers import RMSNorm
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, apply_rope, make_norm, mlp
 from pretrain.models.decoder import Decoder, DecoderConfig, tp_dims
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
@@ -143,12 +142,12 @@ class LayerView:
         zn = b.attn_norm(z)
         w = attn.kv.weight
         if attn.qk_norm == "head":
-            dk = _norm_vjp(attn.k_norm, (zn @ w[:H * Dh].T).unflatten(-1, (H, Dh)), dk).flatten(2)
+            dk = attn.k_norm.input_grad((zn @ w[:H * Dh].T).unflatten(-1, (H, Dh)), dk).flatten(2)
         elif attn.qk_norm == "full":
-            dk = _norm_vjp(attn.k_norm, zn @ w[:H * Dh].T, dk.flatten(2))
+            dk = attn.k_norm.input_grad(zn @ w[:H * Dh].T, dk.flatten(2))
         else:
             dk = dk.flatten(2)
-        return _norm_vjp(b.attn_norm, z, torch.cat([dk, dv.flatten(2)], -1) @ w)
+        return b.attn_norm.input_grad(z, torch.cat([dk, dv.flatten(2)], -1) @ w)
 
     def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor) -> Tensor:
         """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]."""
@@ -156,28 +155,13 @@ class LayerView:
         h = x + b.scale * b.attn.proj(a.transpose(1, 2).flatten(2))
         pre_act = b.ffn.fc1(b.ffn_norm(h))
         d_act = (b.scale * dz) @ b.ffn.fc2.weight
-        dh = dz + _norm_vjp(b.ffn_norm, h, (_gelu_grad(pre_act) * d_act) @ b.ffn.fc1.weight)
+        dh = dz + b.ffn_norm.input_grad(h, (_gelu_grad(pre_act) * d_act) @ b.ffn.fc1.weight)
         return (b.scale * dh @ b.attn.proj.weight).unflatten(-1, (a.shape[1], a.shape[3])).transpose(1, 2)
 
 
 def _gelu_grad(x: Tensor) -> Tensor:
     """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
     return 0.5 * (1.0 + torch.erf(x * math.sqrt(0.5))) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
-
-
-def _norm_vjp(norm: nn.Module, x: Tensor, dy: Tensor) -> Tensor:
-    """dL/dx of an RMSNorm or a (gain-only or biased) LayerNorm of x over its last dimension."""
-    x32 = x if x.dtype == torch.float64 else x.float()
-    gdy = norm.weight.to(x32.dtype) * dy.to(x32.dtype)
-    if isinstance(norm, RMSNorm):
-        rho = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
-        dx = rho * gdy - x32 * rho.pow(3) * (x32 * gdy).mean(-1, keepdim=True)
-    else:
-        centred = x32 - x32.mean(-1, keepdim=True)
-        rho = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + norm.eps)
-        xhat = centred * rho
-        dx = rho * (gdy - gdy.mean(-1, keepdim=True) - xhat * (gdy * xhat).mean(-1, keepdim=True))
-    return dx.to(x.dtype)
 
 
 class RTBlock(nn.Module):
