@@ -149,6 +149,9 @@ def checkpoint_to_read(path: str) -> tuple[str, bool]:
         return path, False
     ckpt = latest_checkpoint(path, log=lambda _: None)
     if ckpt is None:
+        if os.path.isfile(os.path.join(path, "config.json")):  # a Hugging Face folder: import it first
+            raise ValueError(f"{path} is a Hugging Face folder, not a run, a checkpoint or an exported folder; "
+                             f"turn it into a run with `pretrain import {path} runs/NAME`, then use runs/NAME")
         raise ValueError(f"{path} is neither a checkpoint directory nor a run directory with a complete checkpoint")
     return ckpt, True
 

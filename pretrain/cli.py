@@ -132,13 +132,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("path", help="a run directory (its latest checkpoint), a checkpoint directory or an exported folder")
     g.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     g.add_argument("--prompt", default="", help="text to continue (default: the beginning of a document)")
-    g.add_argument("--max-tokens", type=int, default=100)
-    g.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 0.8, or an exported "
+    g.add_argument("--max-tokens", type=int, default=100, help="tokens to generate at most, >= 1 (default 100; "
+                   "fewer when the end-of-document token comes first)")
+    g.add_argument("--temperature", type=float, default=None, help=">= 0; 0 = greedy (default 0.8, or an exported "
                    "folder's generation_config.json)")
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default 0 = all)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 1 = off)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--top-k", type=int, default=None, help=">= 0: keep the k most likely tokens (default 0 = all)")
+    g.add_argument("--top-p", type=float, default=None, help="in (0, 1]: nucleus sampling mass (default 1 = off)")
+    g.add_argument("--seed", type=int, default=0, help="the sampling seed: the same seed, prompt and model give "
+                   "the same text (default 0)")
+    g.add_argument("--num-samples", type=int, default=1, help=">= 1: continuations of the same prompt, each "
+                   "printed after a '--- sample K' line when more than one (default 1)")
 
     x = verb("export", "write a checkpoint as a self-contained folder (safetensors, config, tokenizer, "
              "model card), natively or for Hugging Face transformers", _EXPORT_HELP)
@@ -355,9 +358,30 @@ def unigram_entropy(data, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
+def _check_generate_args(args) -> None:
+    """Every sampling argument in its range, one sentence each, before anything is loaded."""
+    checks = [("--max-tokens", args.max_tokens, args.max_tokens >= 1, "at least 1"),
+              ("--num-samples", args.num_samples, args.num_samples >= 1, "at least 1"),
+              ("--temperature", args.temperature, args.temperature is None or args.temperature >= 0,
+               ">= 0 (0 is greedy)"),
+              ("--top-k", args.top_k, args.top_k is None or args.top_k >= 0, ">= 0 (0 keeps every token)"),
+              ("--top-p", args.top_p, args.top_p is None or 0 < args.top_p <= 1, "in (0, 1] (1 turns it off)")]
+    for name, value, ok, want in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {want}, got {value}")
+
+
+def continuation(tok, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text new_ids add after the prompt: decode(prompt + new) with decode(prompt) taken off its front,
+    so a first piece that starts a word keeps its space (decoding new_ids alone drops it)."""
+    head, whole = tok.decode(prompt_ids), tok.decode(prompt_ids + new_ids)
+    return whole[len(head):] if whole.startswith(head) else tok.decode(new_ids)
+
+
 def _generate(args) -> int:
     from pretrain.generate import generate, load_for_inference
 
+    _check_generate_args(args)
     model, spec, cfg, tok = load_for_inference(args.path, overrides=args.overrides)
     if tok is None:
         raise ValueError(f"no tokenizer was saved with {args.path}; generation needs one (data.tokenizer)")
@@ -377,7 +401,7 @@ def _generate(args) -> int:
     for k, ids in enumerate(outs):
         if args.num_samples > 1:
             print(f"--- sample {k}")
-        print(args.prompt + tok.decode(ids))
+        print(args.prompt + continuation(tok, prompt, ids))
     return 0
 
 

@@ -1,0 +1,59 @@
+"""`pretrain generate` as a user meets it (issue 26): the continuation keeps its word boundary with every
+tokenizer kind, every sampling argument is checked before any work, and a Hugging Face folder is
+pointed to `pretrain import`."""
+import os
+import subprocess
+import sys
+
+import pytest
+from pydoc_data.topics import topics
+
+from data_tools.tokenizer import load_tokenizer, train_sentencepiece
+from pretrain.cli import continuation
+from trainer_helpers import write_word_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sp_tok(tmp_path_factory):
+    docs = [topics[k] for k in sorted(topics)][:12]
+    return load_tokenizer(train_sentencepiece(docs, tmp_path_factory.mktemp("sp") / "tok", vocab_size=600))
+
+
+def test_a_continuation_that_starts_a_word_keeps_its_space(sp_tok, tmp_path):
+    prompt = sp_tok.encode("The")
+    new = sp_tok.encode("The list type")[len(prompt):]  # the pieces of " list type", the first one word-initial
+    assert sp_tok.decode(new) == "list type"  # decoding the new pieces alone drops the boundary
+    assert "The" + continuation(sp_tok, prompt, new) == "The list type"
+    words = load_tokenizer(write_word_tokenizer(tmp_path / "words.json"))  # an HF tokenizer.json
+    prompt, new = words.encode("t5 t9"), words.encode("t7 t8")
+    assert "t5 t9" + continuation(words, prompt, new) == "t5 t9 t7 t8"
+
+
+@pytest.mark.parametrize("args, sentence", [
+    (["--max-tokens", "-5"], "--max-tokens must be at least 1, got -5"),
+    (["--temperature", "-1"], "--temperature must be >= 0 (0 is greedy), got -1.0"),
+    (["--top-p", "2"], "--top-p must be in (0, 1] (1 turns it off), got 2.0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1] (1 turns it off), got 0.0"),
+    (["--top-k", "-3"], "--top-k must be >= 0 (0 keeps every token), got -3"),
+    (["--num-samples", "0"], "--num-samples must be at least 1, got 0"),
+])
+def test_bad_sampling_arguments_are_one_sentence_before_any_work(args, sentence, tmp_path):
+    run = tmp_path / "run"  # checked before the run is read: it need not exist, and nothing is written
+    r = _cli("generate", str(run), *args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"pretrain generate: error: {sentence}"
+    assert not run.exists() and os.listdir(tmp_path) == []
+
+
+def test_a_hugging_face_folder_is_pointed_to_pretrain_import(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    r = _cli("generate", str(tmp_path))
+    assert r.returncode == 2 and "pretrain import" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
