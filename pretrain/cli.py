@@ -171,10 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=("step", "tokens"), default="step")
 
     i = verb("info", "parameter counts and FLOPs per token of a config, without allocating it", _INFO_HELP)
-    i.add_argument("config")
-    i.add_argument("overrides", nargs="*")
+    i.add_argument("config", nargs="?", default="", help="a YAML file, a shipped config's short name (e.g. "
+                   "gpn/tiny) or a run directory")
+    i.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=8")
     i.add_argument("--json", action="store_true", help="print params_total, params_embedding, "
                    "params_non_embedding and flops_per_token as JSON")
+    i.add_argument("--list", action="store_true", help="list the shipped configs by short name, one per line")
     return top
 
 
@@ -231,8 +233,15 @@ _CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "
 
 
 def _info(args) -> int:
-    from pretrain.config import load_config
+    from pretrain.config import load_config, shipped_configs
     from pretrain.models import count_parameters, get_arch, meta_model
+
+    if args.list:
+        print("\n".join(shipped_configs()))
+        return 0
+    if not args.config:
+        raise ValueError("pretrain info needs a CONFIG (a YAML file, a shipped config's short name or a run "
+                         "directory), or --list for the shipped configs")
 
     cfg = load_config(args.config, args.overrides, check_data=False)
     spec = get_arch(cfg.model.arch)

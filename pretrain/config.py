@@ -37,8 +37,24 @@ def config_path(source: str) -> str:
         return str(shipped)
     if os.path.isdir(source):
         raise ConfigError(f"{source} is a directory without a {RUN_CONFIG}: not a run directory")
-    raise ConfigError(f"config {source!r} is neither a file, a run directory nor a shipped config; shipped: "
-                      f"{', '.join(shipped_configs())}")
+    raise ConfigError(f"config {source!r} is neither a file, a run directory nor a shipped config; "
+                      f"{_closest(source)} (`pretrain info --list` lists the shipped configs)")
+
+
+def _closest(source: str) -> str:
+    """"did you mean X or Y?" for a misspelled shipped config name (or the groups there are)."""
+    import difflib
+
+    names = shipped_configs()
+    name = source[:-5] if source.endswith((".yaml", ".yml")) else source
+    name = name.split("configs/", 1)[-1]
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    if not close:  # the group at least: "crt/tny" -> the crt configs
+        group = name.split("/", 1)[0]
+        close = [n for n in names if n.split("/", 1)[0] == group][:3]
+    if close:
+        return "did you mean " + " or ".join(close) + "?"
+    return "shipped groups: " + ", ".join(sorted({n.split("/", 1)[0] for n in names}))
 
 
 def shipped_configs() -> list[str]:

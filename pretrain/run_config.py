@@ -347,7 +347,8 @@ def from_dict(d: dict, check_data: bool = False, overrides: list[str] | tuple = 
     try:
         cfg = typed_config(d, OmegaConf.from_dotlist(list(overrides)))
     except OmegaConfBaseException as e:
-        raise ConfigError(f"the stored config with overrides {' '.join(overrides)}: {one_line(e)}") from None
+        given = f" with overrides {' '.join(overrides)}" if overrides else ""
+        raise ConfigError(f"the stored config{given}: {one_line(e)}") from None
     return cfg.validate(check_data=check_data)
 
 

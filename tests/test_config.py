@@ -92,7 +92,7 @@ def test_bad_settings_are_refused_in_one_sentence(overrides, message):
 
 
 def test_missing_and_malformed_files(tmp_path):
-    with pytest.raises(ConfigError, match="neither a file, a run directory nor a shipped config; shipped: baseline/"):
+    with pytest.raises(ConfigError, match="neither a file, a run directory nor a shipped config; did you mean baseline/"):
         load_config("baseline/huge")
     with pytest.raises(ConfigError, match="is a directory without a config.yaml: not a run directory"):
         load_config(str(tmp_path))

@@ -1,6 +1,6 @@
-"""`pretrain generate` as a user meets it (issue 26): the continuation keeps its word boundary with every
+"""The command line as a user meets it (issue 26): the continuation keeps its word boundary with every
 tokenizer kind, every sampling argument is checked before any work, and a Hugging Face folder is
-pointed to `pretrain import`."""
+pointed to `pretrain import`; a misspelled config gets the closest names."""
 import os
 import subprocess
 import sys
@@ -57,3 +57,13 @@ def test_a_hugging_face_folder_is_pointed_to_pretrain_import(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     r = _cli("generate", str(tmp_path))
     assert r.returncode == 2 and "pretrain import" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_misspelled_config_gets_the_closest_names_and_info_lists_them():
+    r = _cli("info", "crt/tny")
+    assert r.returncode == 2 and "did you mean crt/tiny" in r.stderr, r.stderr
+    assert len(r.stderr) < 300  # not every shipped config on one line
+    listed = _cli("info", "--list")
+    assert listed.returncode == 0 and "gpn/tiny" in listed.stdout.splitlines()
+    bare = _cli("info")
+    assert bare.returncode == 2 and "--list" in bare.stderr
