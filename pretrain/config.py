@@ -142,3 +142,25 @@ def _check_reads(cfg: RunConfig, check_data: bool) -> RunConfig:
     if check_data:
         init_from.check(cfg)
     return cfg
+
+
+def config_summary(cfg: RunConfig, run_dir: str) -> list[str]:
+    """A few lines of what a run is (data, optimizer and schedule, checkpoints): the start of `pretrain
+    train`'s output; the whole resolved config is the run directory's config.yaml (log.show_config
+    prints it instead)."""
+    d, o, s, t, c = cfg.data, cfg.optim, cfg.schedule, cfg.train, cfg.checkpoint
+    names = lambda paths: ", ".join(os.path.basename(p) for p in paths) or "-"  # noqa: E731
+    if d.task:
+        data = f"data: task {d.task} ({d.task_params})"
+    else:
+        valid = names(d.valid) if d.valid else f"a {d.resolved_split()} split of the training data"
+        data = (f"data: train {names(d.train)} | valid {valid} | tokenizer "
+                f"{os.path.basename(d.tokenizer) if d.tokenizer else '-'}")
+    return [f"config: {os.path.join(run_dir, RUN_CONFIG)} (every resolved field; log.show_config=true prints it here)",
+            f"{data} | T={d.seq_len}",
+            f"optim: AdamW lr {o.lr:g} -> {o.min_lr:g}, betas ({o.beta1:g}, {o.beta2:g}), weight decay {o.weight_decay:g}"
+            f"{' (every parameter)' if o.decay_all else ''}, clip {o.grad_clip:g} | schedule {s.kind}, warmup "
+            f"{s.warmup_steps} | {t.max_steps:,} steps",
+            (f"evaluation every {t.eval_every} steps" if t.eval_every else "evaluation at the end")
+            + f" ({t.eval_batches} batches) | checkpoints " + (f"every {c.every} steps" if c.every else "at the end")
+            + f" (keep {c.keep_last}) | progress every {t.log_every} steps"]

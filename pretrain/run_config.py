@@ -231,6 +231,9 @@ class LogConfig:
     wandb: bool = False  # log to Weights & Biases (offline mode unless WANDB_MODE says otherwise)
     wandb_project: str = "recurrent-pretrain"
     peak_tflops: float = 0.0  # device peak for MFU; 0 = probe (CPU) or the table of known GPUs
+    # print the whole resolved config at the start (it is always written to the run directory's
+    # config.yaml); off: a summary of a few lines
+    show_config: bool = False
 
     def validate(self) -> None:
         if self.peak_tflops < 0:

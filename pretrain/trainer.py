@@ -32,7 +32,7 @@ from parallel.mesh import layout
 from pretrain.bad_steps import NonFiniteLossError  # noqa: F401  (raised from here; callers import it here)
 from pretrain.bad_steps import BadSteps, data_position
 from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
-from pretrain.config import RunConfig, to_yaml
+from pretrain.config import RunConfig, config_summary, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_internal_tokens, check_vocab, train_dataset, valid_dataset
 from pretrain.init_from import load_initial_weights
@@ -481,7 +481,11 @@ class Trainer:
     def _describe(self) -> None:
         cfg = self.cfg
         counts = count_parameters(self.model)
-        self.log(to_yaml(cfg).rstrip())
+        if cfg.log.show_config:
+            self.log(to_yaml(cfg).rstrip())
+        else:
+            for line in config_summary(cfg, self.run_dir):
+                self.log(line)
         self.log(
             f"model {cfg.model.arch}: {counts['total']:,} parameters ({counts['non_embedding']:,} non-embedding); "
             f"{self.flops_per_token / 1e6:,.1f} MFLOP/token | batch {cfg.train.global_batch_seqs} sequences = "
@@ -493,3 +497,5 @@ class Trainer:
         self.log(f"layout: {lay.world} rank(s) = tp {lay.tp}{' (+sp)' if lay.sp else ''} x dp {lay.dp} | "
                  f"{self.engine.describe()}{' | megatron-core layers' if lay.megatron_layers else ''}"
                  f"{' | activation recompute: ' + p.recompute if p.recompute != 'none' else ''}")
+        if cfg.train.compile:
+            self.log("compiling the model: the first steps are slow (train.compile=false runs it eagerly)")

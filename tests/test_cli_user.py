@@ -67,3 +67,22 @@ def test_a_misspelled_config_gets_the_closest_names_and_info_lists_them():
     assert listed.returncode == 0 and "gpn/tiny" in listed.stdout.splitlines()
     bare = _cli("info")
     assert bare.returncode == 2 and "--list" in bare.stderr
+
+
+def test_a_training_start_is_a_one_screen_summary_and_the_full_config_on_request(tmp_path):
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov")
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 1, "train.compile": "true",
+                                                "schedule.warmup_steps": 0, "checkpoint.every": 0})
+    r = _cli("train", "baseline/tiny", *over)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    start = lines[:next(i for i, line in enumerate(lines) if line.startswith("step 1/"))]
+    assert len(start) <= 25, start
+    assert start[0] == f"config: {tmp_path / 'run' / 'config.yaml'} (every resolved field; log.show_config=true prints it here)"
+    assert any(line.startswith("compiling the model: the first steps are slow") for line in start)
+    assert "model:" in (tmp_path / "run" / "config.yaml").read_text()  # the whole config is in the run
+    full = _cli("train", "baseline/tiny", *over, f"train.run_dir={tmp_path / 'full'}", "log.show_config=true",
+                "train.compile=false")
+    assert full.returncode == 0 and "\nmodel:\n  arch: baseline\n" in "\n" + full.stdout
