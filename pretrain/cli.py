@@ -60,7 +60,8 @@ train.skip_outlier_window steps.
 
 _INFERENCE_OVERRIDES = ("dotted overrides of the stored config for what may change after training: data.* (e.g. "
                         "data.valid=[PREFIX], data.tokenizer=PATH), train.eval_batches, train.micro_batch_seqs, "
-                        "checkpoint.verify, and model fields that keep every weight's shape")
+                        "checkpoint.verify, model fields that keep every weight's shape, and the runtime settings "
+                        "train.threads, train.device (auto, cpu, cuda; default cpu) and train.compile (default off)")
 
 
 _EXPORT_HELP = """examples:
@@ -331,7 +332,8 @@ def _eval(args) -> int:
     micro = cfg.train.micro_batch_seqs
     n = min((args.batches or cfg.train.eval_batches) * micro, available)
     device = next(model.parameters()).device
-    result = evaluate_loss(model, data, n, micro, collator_for(cfg.data), device)
+    result = evaluate_loss(model, data, n, micro, collator_for(cfg.data), device,
+                           progress=_progress("evaluating", -(-n // micro)) if not args.json else None)
     if cfg.data.task:  # the task's accuracy per group, e.g. per pointer-chasing level (val_acc_L0 ...)
         result.update(evaluate_accuracy(model, spec.logits, data, n, micro, device))
     if args.unigram_entropy:
@@ -341,6 +343,12 @@ def _eval(args) -> int:
         return 0
     print(f"val loss {result['val_loss']:.4f} nats/token, perplexity {result['val_ppl']:.2f} "
           f"({result['val_tokens']:,} tokens)")
+    for line in spec.inference_settings(cfg.model, cfg.data.seq_len) if spec.inference_settings else ():
+        print(line)
+    diagnostics = {k[4:]: v for k, v in result.items() if k.startswith("val_") and k[4:] not in (
+        "loss", "ppl", "tokens") and not k.startswith("val_acc")}
+    if diagnostics:
+        print("diagnostics: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(diagnostics.items())))
     if cfg.data.task:
         print(f"{cfg.data.task} {accuracy_line(result)} ({n:,} held-out sequences)")
     if args.unigram_entropy:
@@ -348,6 +356,25 @@ def _eval(args) -> int:
         print(f"unigram entropy of the validation tokens {result['unigram_entropy']:.4f} nats; "
               f"the model is {gap:.3f} nats below it")
     return 0
+
+
+def _progress(what: str, total: int):
+    """A progress callback (done, total) for long work: a line rewritten in place on a terminal's stderr,
+    at most every half second; nothing when stderr is not a terminal (logs stay clean)."""
+    import time
+
+    if not sys.stderr.isatty() or total <= 1:
+        return None
+    last = [0.0]
+
+    def report(done: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last[0] < 0.5:
+            return
+        last[0] = now
+        print(f"\r{what}: {done}/{total}", end="\n" if done >= total else "", file=sys.stderr, flush=True)
+
+    return report
 
 
 def unigram_entropy(data, vocab_size: int) -> float:

@@ -70,8 +70,11 @@ def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tu
     then the data files `need` names are checked (DataConfig.check_files)."""
     from pretrain.export.loader import is_export_folder, load_folder
 
+    given = {f for f in ("train.threads", "train.device", "train.compile")
+             if any(o.startswith(f + "=") for o in overrides)}  # runtime settings, as train takes them
+    device = _inference_device(overrides, device)
     if is_export_folder(path):  # a folder written by `pretrain export` (torch and safetensors only)
-        return load_folder(path, device, overrides, log, need)
+        return _runtime(*load_folder(path, device, overrides, log, need), given)
     from data_tools.tokenizer import load_tokenizer
     from pretrain.checkpoint import load_checkpoint, load_latest
     from pretrain.config import config_from_dict
@@ -98,4 +101,27 @@ def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tu
     model, spec, cfg = read_with_fallback(path, read, log)
     model.eval()
     tokenizer = load_tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    return _runtime(model, spec, cfg, tokenizer, given)
+
+
+def _inference_device(overrides, default: str) -> str:
+    """train.device=auto|cpu|cuda from the command line (the stored one is the training machine's)."""
+    value = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.device=")), None)
+    if value is None:
+        return default
+    if value not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device must be auto, cpu or cuda, got {value!r}")
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is available")
+    return value
+
+
+def _runtime(model, spec, cfg, tokenizer, given: set):
+    """train.threads and train.compile, applied when the command line gives them."""
+    if "train.threads" in given and cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    if "train.compile" in given and cfg.train.compile:
+        model.compile()
     return model, spec, cfg, tokenizer

@@ -101,7 +101,8 @@ def stored_config(ckpt: str, log=print):
 # or only say where things are. model.* fields are allowed when every weight keeps its shape (an
 # architecture's inference-time fields, such as a loop count, pass; widths and depths do not).
 INFERENCE_FIELDS = {"data": None, "checkpoint": {"verify"},
-                    "train": {"eval_batches", "micro_batch_seqs"}}
+                    "train": {"eval_batches", "micro_batch_seqs", "threads", "device", "compile"}}
+RUNTIME_FIELDS = ("train.threads", "train.device", "train.compile")  # honoured by eval/generate only when given
 
 
 def check_inference_overrides(stored: dict, overrides: list[str]) -> None:

@@ -86,3 +86,27 @@ def test_a_training_start_is_a_one_screen_summary_and_the_full_config_on_request
     full = _cli("train", "baseline/tiny", *over, f"train.run_dir={tmp_path / 'full'}", "log.show_config=true",
                 "train.compile=false")
     assert full.returncode == 0 and "\nmodel:\n  arch: baseline\n" in "\n" + full.stdout
+
+
+def test_eval_caps_k_at_t_plus_1_says_so_and_shows_the_diagnostics(tmp_path):
+    """CRT's model.eval_k beyond T + 1 evaluates as T + 1 (the same loss), with a line saying so; the
+    text output names the K and the model's diagnostics; runtime settings are accepted as by train."""
+    import json
+
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov")
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.compile": "false", "checkpoint.every": 0,
+                                                "schedule.warmup_steps": 0, "model.k_max": 3})
+    Trainer(load_config("crt/tiny", over), log=lambda *_: None).fit()
+    run = str(tmp_path / "run")
+    capped = _cli("eval", run, "model.eval_k=100000", "train.threads=1", "--batches", "2")
+    assert capped.returncode == 0, capped.stderr
+    assert "K = T + 1 = 33 passes: model.eval_k=100000 is capped there" in capped.stdout
+    assert "diagnostics: " in capped.stdout
+    loss = lambda k: json.loads(_cli("eval", run, f"model.eval_k={k}", "--batches", "2", "--json").stdout)["val_loss"]  # noqa: E731
+    assert loss(100000) == loss(33)
+    bad = _cli("eval", run, "train.device=tpu")
+    assert bad.returncode == 2 and "train.device must be auto, cpu or cuda" in bad.stderr

@@ -344,6 +344,12 @@ def info(cfg: CARTConfig) -> list[str]:
             f"spec §2.10; {n['effective'] / n['stored']:.2f}x the {n['stored']:,} stored)"]
 
 
+def inference_settings(cfg: CARTConfig, seq_len: int) -> list[str]:
+    if cfg.dense:
+        return []
+    return [f"R = {cfg.n_loops} core passes (model.n_loops; another R' evaluates the same weights)"]
+
+
 def _recompute_loop(model: CART) -> None:
     """Policy loop: each core pass whole (blend, loop-index embedding, core block, gate), non-reentrant;
     a pass keeps only its new state. The Dense baseline recomputes its layers."""
@@ -376,6 +382,7 @@ SPEC = register(ArchSpec(
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
     info=info,
+    inference_settings=inference_settings,
     progress=("rho", "loops"),
     decode=DecodeRelation("exact"),
     tp_dims=tp_dims,

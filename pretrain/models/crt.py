@@ -328,11 +328,25 @@ def num_passes(cfg: CRTConfig, ctx, seq_len: int) -> int:
     run draw the same), model.eval_k (0: k_max, -1: T + 1) otherwise; 1 for the roformer."""
     if not cfg.corrected:
         return 1
-    if not ctx.training:
-        return seq_len + 1 if cfg.exact_eval else cfg.eval_k or cfg.k_max
+    if not ctx.training:  # more than T + 1 passes change nothing (spec §2.4): capped there
+        return seq_len + 1 if cfg.exact_eval else min(cfg.eval_k or cfg.k_max, seq_len + 1)
     if not cfg.k_min or cfg.k_min == cfg.k_max:
         return cfg.k_max
     return int(torch.randint(cfg.k_min, cfg.k_max + 1, (), generator=ctx.generator()))
+
+
+def inference_settings(cfg: CRTConfig, seq_len: int) -> list[str]:
+    """The K an evaluation at length T runs, and why (`pretrain eval` prints it)."""
+    if not cfg.corrected:
+        return ["K = 1 pass (no correction: the roformer)"]
+    if cfg.exact_eval:
+        return [f"K = T + 1 = {seq_len + 1} passes, computed by the recurrence (model.eval_k=-1)"]
+    asked = cfg.eval_k or cfg.k_max
+    if asked > seq_len + 1:
+        return [f"K = T + 1 = {seq_len + 1} passes: model.eval_k={asked} is capped there (more passes than T + 1 "
+                "change nothing)"]
+    return [f"K = {asked} passes (model.eval_k={cfg.eval_k}{', i.e. k_max' if not cfg.eval_k else ''}; T + 1 = "
+            f"{seq_len + 1} gives the recurrence's values)"]
 
 
 def contraction(c: list[Tensor], K: int, doc_ids: Tensor | None = None) -> dict[str, Tensor]:
@@ -456,6 +470,7 @@ SPEC = register(ArchSpec(
     flops_formula=FLOPS_FORMULA,
     formula_params=paper_formula_params,
     # eval_k=64: the parallel form with K >= T+1 passes for the registry test's shorter sequences
+    inference_settings=inference_settings,
     decode=DecodeRelation("exact", config={"eval_k": 64}, why=(
         "streaming computes the recurrence's fixed point, which the K-pass parallel forward reaches at every "
         "position when K >= T + 1 (spec §2.3); at the trained K only the first K - 1 positions are exact")),

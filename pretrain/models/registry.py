@@ -84,6 +84,9 @@ class ArchSpec:
     formula_params: Callable[[Any], int] | None = None
     # Lines of its own that `pretrain info` prints for a config (CART's effective parameter count at R)
     info: Callable[[Any], list[str]] | None = None
+    # The inference settings an evaluation at sequence length T uses, as lines `pretrain eval` prints
+    # (CRT's K passes, CART's R): inference_settings(cfg, T) -> [lines]. None: nothing to say.
+    inference_settings: Callable[[Any, int], list[str]] | None = None
     decode: DecodeRelation = DecodeRelation()
     progress: tuple[str, ...] = ()  # diagnostics shown on the progress line (all go to metrics.jsonl)
     supports: Support = Support()
