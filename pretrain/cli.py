@@ -168,8 +168,9 @@ def _parser() -> argparse.ArgumentParser:
     p = verb("plot", "plot the loss curves of one or more runs to a PNG",
              "example:\n  pretrain plot runs/a runs/b --output loss.png")
     p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
-    p.add_argument("--output", default="loss.png")
-    p.add_argument("--x", choices=("step", "tokens"), default="step")
+    p.add_argument("--output", default="loss.png", help="the PNG to write (default loss.png)")
+    p.add_argument("--x", choices=("step", "tokens"), default="step",
+                   help="the x axis: optimizer steps or tokens seen (default step)")
 
     i = verb("info", "parameter counts and FLOPs per token of a config, without allocating it", _INFO_HELP)
     i.add_argument("config", nargs="?", default="", help="a YAML file, a shipped config's short name (e.g. "

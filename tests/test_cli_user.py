@@ -110,3 +110,26 @@ def test_eval_caps_k_at_t_plus_1_says_so_and_shows_the_diagnostics(tmp_path):
     assert loss(100000) == loss(33)
     bad = _cli("eval", run, "train.device=tpu")
     assert bad.returncode == 2 and "train.device must be auto, cpu or cuda" in bad.stderr
+
+
+def test_the_readmes_python_snippet_loads_a_folder_and_computes_logits_and_a_token(tmp_path):
+    """The README's five lines, run as written on a freshly exported folder."""
+    from pretrain.cli import main
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov")
+    tok = write_word_tokenizer(tmp_path / "words.json")
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 2, "train.compile": "false", "checkpoint.every": 0,
+                                                "schedule.warmup_steps": 0, "data.tokenizer": tok})
+    Trainer(load_config("baseline/tiny", over), log=lambda *_: None).fit()
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "folder")]) == 0
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    snippet = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "load_folder" in snippet and len(snippet.strip().splitlines()) <= 6
+    code = snippet.replace("exports/quickstart", str(tmp_path / "folder")).replace("The list type", "t5 t9")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("t5 t9 t")
