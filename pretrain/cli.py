@@ -334,7 +334,7 @@ def _eval(args) -> int:
     n = min((args.batches or cfg.train.eval_batches) * micro, available)
     device = next(model.parameters()).device
     result = evaluate_loss(model, data, n, micro, collator_for(cfg.data), device,
-                           progress=_progress("evaluating", -(-n // micro)) if not args.json else None)
+                           progress=_progress("evaluating batches") if not args.json else None)
     if cfg.data.task:  # the task's accuracy per group, e.g. per pointer-chasing level (val_acc_L0 ...)
         result.update(evaluate_accuracy(model, spec.logits, data, n, micro, device))
     if args.unigram_entropy:
@@ -359,18 +359,18 @@ def _eval(args) -> int:
     return 0
 
 
-def _progress(what: str, total: int):
-    """A progress callback (done, total) for long work: a line rewritten in place on a terminal's stderr,
-    at most every half second; nothing when stderr is not a terminal (logs stay clean)."""
+def _progress(what: str):
+    """A progress callback report(done, total) for long work: a line rewritten in place on a terminal's
+    stderr, at most every half second; None when stderr is not a terminal (logs stay clean)."""
     import time
 
-    if not sys.stderr.isatty() or total <= 1:
+    if not sys.stderr.isatty():
         return None
     last = [0.0]
 
-    def report(done: int) -> None:
+    def report(done: int, total: int) -> None:
         now = time.monotonic()
-        if done < total and now - last[0] < 0.5:
+        if total <= 1 or (done < total and now - last[0] < 0.5):
             return
         last[0] = now
         print(f"\r{what}: {done}/{total}", end="\n" if done >= total else "", file=sys.stderr, flush=True)
@@ -448,7 +448,8 @@ def _export(args) -> int:
     import shlex
 
     command = "pretrain export " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["export"] else ""
-    r = export(args.source, args.out, args.format, args.dtype, args.force, args.tokenizer, command=command)
+    r = export(args.source, args.out, args.format, args.dtype, args.force, args.tokenizer, command=command,
+               progress=_progress("exporting tensors"))
     print(f"exported {r['arch']} step {r['step']} ({r['params']:,} parameters, {r['dtype']}, "
           f"{r['bytes'] / 2**20:,.1f} MiB) from {r['checkpoint']} to {r['out']} ({r['format']} format) in "
           f"{r['seconds']:.1f} s")

@@ -97,7 +97,7 @@ def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, d
                   progress=None) -> dict:
     """Token-weighted mean loss (and diagnostics, as val_<name>) over samples [0, num_samples) of a
     validation dataset; with several data-parallel ranks each takes every n-th micro batch and the
-    sums are reduced. progress(batches done), when given, is called after each micro batch."""
+    sums are reduced. progress(batches done, batches), when given, is called after each micro batch."""
     rank, size = dp_rank_and_size()
     was_training = model.training
     model.eval()
@@ -116,7 +116,7 @@ def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, d
         tokens = batch.loss_mask.sum().double() * weight
         sums += torch.stack([loss.double(), *(diag[n].double() for n in names), torch.ones_like(tokens)]) * tokens
         if progress is not None:
-            progress(start // (micro_batch * size) + 1)
+            progress(start // (micro_batch * size) + 1, len(starts))
     all_reduce_sum(sums, "validation loss")
     model.train(was_training)
     tokens = max(float(sums[-1]), 1.0)

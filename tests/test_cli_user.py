@@ -133,3 +133,22 @@ def test_the_readmes_python_snippet_loads_a_folder_and_computes_logits_and_a_tok
                        env=dict(os.environ, PYTHONPATH=ROOT))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("t5 t9 t")
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch):
+    import io
+
+    from pretrain import cli
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    report = cli._progress("exporting tensors")
+    for done in range(1, 4):
+        report(done, 3)
+    assert term.getvalue().endswith("\rexporting tensors: 3/3\n")
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file, a pipe: nothing
+    assert cli._progress("evaluating batches") is None

@@ -73,8 +73,9 @@ def _tokenizer(cfg, given: str):
 
 
 def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: bool = False,
-           tokenizer: str = "", log=print, command: str = "") -> dict:
-    """Export checkpoint or run `source` to folder `out` (see the module docstring); returns a summary."""
+           tokenizer: str = "", log=print, command: str = "", progress=None) -> dict:
+    """Export checkpoint or run `source` to folder `out` (see the module docstring); returns a summary.
+    progress(tensors written, tensors), when given, is called as the weights are written."""
     import torch
 
     from pretrain.checkpoint import checkpoint_to_read
@@ -141,6 +142,13 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
     operation = f"exporting {source} to {out}"
     check_space(operation, out, needed)  # before anything is written
     with storage_operation(operation, out, needed), atomic_folder(out, force, source) as tmp:  # partial files removed
+        if progress is not None:
+            produce, written = tensor_of, [0]
+
+            def tensor_of(name):  # noqa: F811  (the same tensors, counted)
+                written[0] += 1
+                progress(written[0], len(specs))
+                return produce(name)
         size = write_safetensors(os.path.join(tmp, WEIGHTS_FILE), specs, tensor_of, {"format": "pt"})
         tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
         if fmt == "hf":
