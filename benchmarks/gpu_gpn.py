@@ -7,7 +7,7 @@ Checks (max differences, PASS / FAIL against the tolerance):
 - streaming decode against the window on CUDA;
 - segment recomputation against plain BPTT on CUDA (loss and gradients, fp32);
 - a bf16-autocast training step's loss against fp32, the state and memory kept in fp32 (spec A14).
-Timings (CUDA events, medians of --steps after a warm-up), the 130M 1-layer GPN+M (d=2496, memory 15 x
+Timings (CUDA events, medians of --steps after three warm-ups), the 130M 1-layer GPN+M (d=2496, memory 15 x
 128 x 256) at T=256, batch 8, bf16 autocast: a training step (forward + backward) with segment
 recomputation, eager and with the step compiled (GPN.compile); decode tokens/s at batch 1.
 Imports only the model modules (no config system), so it runs with the device image's torch.
@@ -15,21 +15,14 @@ Imports only the model modules (no config system), so it runs with the device im
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from gpu_sps_rt import check, results, timed  # benchmarks/: the same checks and CUDA-event timing
 from pretrain.data.batch import Batch
 from pretrain.models.gpn import GPN, GPNConfig
 
 DEV = "cuda"
-results = []
-
-
-def check(name: str, diff: float, tol: float) -> None:
-    ok = diff <= tol
-    results.append(ok)
-    print(f"{'PASS' if ok else 'FAIL'} {name}: max diff {diff:.2e} (tolerance {tol:.0e})", flush=True)
 
 
 def batch_of(B: int, T: int, V: int, device) -> Batch:
@@ -37,19 +30,6 @@ def batch_of(B: int, T: int, V: int, device) -> Batch:
     t = torch.randint(0, V, (B, T + 1), generator=g)
     return Batch(t[:, :-1], t[:, 1:], torch.ones(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.int32),
                  torch.arange(T).expand(B, T)).to(device)
-
-
-def timed(fn, steps: int) -> float:
-    fn()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
 
 
 def small() -> GPN:
@@ -109,7 +89,7 @@ def timings(steps: int) -> None:
             loss.backward()
             m.zero_grad(set_to_none=True)
 
-        s = timed(train_step, steps)
+        s = timed(train_step, steps) / 1e3  # ms -> s
         print(f"130M GPN+M training step, B={B} T={T}, bf16 autocast, segments of {m.cfg.segment_for(T)}, "
               f"{'compiled step' if compiled else 'eager'}: {s * 1e3:,.0f} ms, {B * T / s:,.0f} tok/s", flush=True)
     m = GPN(GPNConfig()).to(DEV).eval()
@@ -117,7 +97,7 @@ def timings(steps: int) -> None:
     tok = batch.tokens[:1, :1]
     with torch.no_grad():
         m.step(batch.tokens[:1, :64], state)
-        s = timed(lambda: m.step(tok, state), 32)
+        s = timed(lambda: m.step(tok, state), 32) / 1e3
     print(f"130M GPN+M decode, batch 1, fp32: {1 / s:,.1f} tok/s", flush=True)
 
 
