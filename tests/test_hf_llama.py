@@ -6,6 +6,8 @@ downloaded); every comparison is fp32 logits to 1e-5 and greedy tokens identical
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -226,8 +228,20 @@ def test_a_sentencepiece_tokenizer_is_shipped_as_transformers_loads_it(tmp_path)
     ours = load_tokenizer(str(tmp_path / "spm.model"))
     os.makedirs(tmp_path / "hf")
     assert ADAPTER.write_tokenizer(str(tmp_path / "hf"), str(tmp_path / "spm.model"), ours) == [
-        "tokenizer.model", "tokenizer_config.json"]
+        "tokenizer.model", "tokenizer.json", "tokenizer_config.json"]
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     text = "def f(x):\n    return x + 1  # The list type, ünïcode"
     assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
     assert (theirs.eos_token_id, theirs.bos_token_id) == (ours.eod_id, ours.special_ids()["bos"])
+    # with transformers and tokenizers alone (sentencepiece and protobuf made unimportable), on mixed text:
+    # unicode, byte fallback (emoji, CJK), runs of spaces, tabs, newlines, digits
+    mixed = "naïve café — Grüße, 日本語のテキスト, emoji 🙂\n\n\tindented    code(x) = 12345  "
+    code = ("import sys, json\nsys.modules['sentencepiece'] = None\nsys.modules['google.protobuf'] = None\n"
+            "import transformers\n"
+            f"t = transformers.AutoTokenizer.from_pretrained({str(tmp_path / 'hf')!r}, local_files_only=True)\n"
+            f"print(json.dumps([t({mixed!r}, add_special_tokens=False)['input_ids'], t.decode(t({mixed!r}, "
+            "add_special_tokens=False)['input_ids'])]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ids, decoded = json.loads(r.stdout.strip().splitlines()[-1])
+    assert ids == ours.encode(mixed) and decoded == mixed

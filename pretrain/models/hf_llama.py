@@ -91,22 +91,33 @@ class LlamaAdapter:
         return out
 
     def write_tokenizer(self, folder: str, path: str, tok) -> list[str]:
-        """The tokenizer as transformers finds it: tokenizer.model (sentencepiece) or tokenizer.json,
-        with a tokenizer_config.json naming its special tokens."""
+        """The tokenizer as transformers finds it: tokenizer.json (a sentencepiece BPE model converted, so
+        that transformers and tokenizers alone load it; the model itself too, as tokenizer.model), with a
+        tokenizer_config.json naming its special tokens."""
         import json
 
         sentencepiece = path.endswith(".model")
         name = "tokenizer.model" if sentencepiece else "tokenizer.json"
         shutil.copy2(path, os.path.join(folder, name))
+        written = [name]
+        if sentencepiece:
+            from data_tools.hf_tokenizer import sentencepiece_to_hf
+
+            try:
+                sentencepiece_to_hf(path).save(os.path.join(folder, "tokenizer.json"))
+                written.append("tokenizer.json")
+            except ValueError:  # a unigram model: transformers reads tokenizer.model (needs sentencepiece)
+                pass
         ids = tok.special_ids()
         special = {f"{k}_token": tok.id_to_token(i) for k, i in (("bos", ids.get("bos")), ("eos", tok.eod_id),
                                                                  ("unk", ids.get("unk")), ("pad", ids.get("pad")))
                    if i is not None}
-        config = {"tokenizer_class": "LlamaTokenizer" if sentencepiece else "PreTrainedTokenizerFast",
+        fast = "tokenizer.json" in written
+        config = {"tokenizer_class": "PreTrainedTokenizerFast" if fast else "LlamaTokenizer",
                   "add_bos_token": False, "add_eos_token": False, "legacy": False, **special}
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        return [name, "tokenizer_config.json"]
+        return [*written, "tokenizer_config.json"]
 
     # -- import ------------------------------------------------------------------------------
     def model_fields(self, hf: dict) -> dict:
