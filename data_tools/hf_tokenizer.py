@@ -14,8 +14,8 @@ from __future__ import annotations
 
 
 def sentencepiece_to_hf(path: str):
-    """tokenizers.Tokenizer equal to the sentencepiece BPE model at `path`; ValueError for a unigram model
-    (its conversion is not written yet)."""
+    """tokenizers.Tokenizer equal to the sentencepiece BPE model at `path`; None for a unigram model (its
+    conversion is not written yet: a caller ships the .model alone)."""
     import sentencepiece as spm
     from tokenizers import Tokenizer, decoders, models, normalizers
 
@@ -26,8 +26,7 @@ def sentencepiece_to_hf(path: str):
     normal = [i for i in range(len(pieces)) if not special(i)]
     scores = [sp.get_score(i) for i in normal]
     if any(a < b for a, b in zip(scores, scores[1:])):  # BPE stores minus the merge rank: never rising
-        raise ValueError(f"{path} is a unigram sentencepiece model; only BPE models are converted to tokenizer.json "
-                         "(the folder still ships tokenizer.model)")
+        return None
     merges = sorted((vocab[p], vocab[p[:k]], vocab[p[k:]]) for i in normal for p in [pieces[i]]
                     for k in range(1, len(p))
                     if p[:k] in vocab and p[k:] in vocab and not special(vocab[p[:k]]) and not special(vocab[p[k:]]))

@@ -111,11 +111,11 @@ def _inference_device(overrides, default: str) -> str:
         return default
     if value not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train.device must be auto, cpu or cuda, got {value!r}")
-    if value == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if value == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is available")
-    return value
+    from types import SimpleNamespace
+
+    from pretrain.trainer import resolve_device  # the trainer's rule: auto picks CUDA when there is one
+
+    return str(resolve_device(SimpleNamespace(device=value)))
 
 
 def _runtime(model, spec, cfg, tokenizer, given: set):

@@ -103,11 +103,10 @@ class LlamaAdapter:
         if sentencepiece:
             from data_tools.hf_tokenizer import sentencepiece_to_hf
 
-            try:
-                sentencepiece_to_hf(path).save(os.path.join(folder, "tokenizer.json"))
+            fast = sentencepiece_to_hf(path)  # None for a unigram model: transformers reads tokenizer.model
+            if fast is not None:
+                fast.save(os.path.join(folder, "tokenizer.json"))
                 written.append("tokenizer.json")
-            except ValueError:  # a unigram model: transformers reads tokenizer.model (needs sentencepiece)
-                pass
         ids = tok.special_ids()
         special = {f"{k}_token": tok.id_to_token(i) for k, i in (("bos", ids.get("bos")), ("eos", tok.eod_id),
                                                                  ("unk", ids.get("unk")), ("pad", ids.get("pad")))
