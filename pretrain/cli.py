@@ -49,6 +49,10 @@ optimizer, step 0 and a fresh data order. Another model.arch is converted by the
 (its registry `convert`; without one it is refused). Shapes and the conversion are checked before
 any work; once the run has its own checkpoint, it resumes that and init_from is not read.
 
+Ctrl-C finishes the current step on every rank, writes a checkpoint and exits (130); a second
+Ctrl-C stops at once, keeping the latest checkpoint. train.stop_signals (default SIGTERM, SIGUSR1:
+what Slurm sends before a time limit or a preemption) do the same and exit 75 for a requeue.
+
 A step whose loss or grad norm is not finite stops the run (train.nan_policy=stop) or is skipped
 without touching the optimizer (train.nan_policy=skip); more than train.max_bad_steps (default 5)
 skips in a row stop it, naming the steps and their data. train.skip_outlier_z=Z (> 0; default null = off)
@@ -96,8 +100,15 @@ folder's tokenizer.json or tokenizer.model unless --tokenizer names one; a token
 tokens than the model's vocabulary is refused."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line (the usage is one --help away), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="pretrain", description="Pretrain recurrent transformer architectures.",
+    top = _Parser(prog="pretrain", description="Pretrain recurrent transformer architectures.",
                                   epilog="Run `pretrain VERB --help` for the options and examples of each verb.")
     verbs = top.add_subparsers(dest="verb", metavar="VERB", required=True)
 
@@ -117,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
              + _RUN_PATHS)
     e.add_argument("path", help="a run directory (its latest checkpoint), a checkpoint directory or an exported folder")
     e.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
-    e.add_argument("--batches", type=int, default=0, help="micro batches to evaluate (default: train.eval_batches)")
+    e.add_argument("--batches", type=int, default=0, help="micro batches to evaluate, >= 1 (default: "
+                   "train.eval_batches; fewer when the validation data is shorter)")
     e.add_argument("--unigram-entropy", action="store_true",
                    help="also print the unigram entropy of the validation tokens: a model that learned "
                    "context scores well below it")
@@ -168,7 +180,8 @@ def _parser() -> argparse.ArgumentParser:
     p = verb("plot", "plot the loss curves of one or more runs to a PNG",
              "example:\n  pretrain plot runs/a runs/b --output loss.png")
     p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
-    p.add_argument("--output", default="loss.png", help="the PNG to write (default loss.png)")
+    p.add_argument("--output", default="loss.png", help="the image to write: .png, .pdf or .svg, in an existing "
+                   "folder (default loss.png)")
     p.add_argument("--x", choices=("step", "tokens"), default="step",
                    help="the x axis: optimizer steps or tokens seen (default step)")
 
@@ -213,9 +226,10 @@ def _run(args) -> int:
                 "export": _export, "import": _import}
     try:
         return handlers[args.verb](args)
-    except StopRequested as e:
-        print(f"pretrain {args.verb}: {e}", file=sys.stderr)
-        return EXIT_REQUEUE
+    except StopRequested as e:  # Ctrl-C: 130 as for any interrupted program; a scheduler's signal: requeue
+        interrupted = e.signame == "SIGINT"
+        print(f"pretrain {args.verb}: {'interrupted: ' if interrupted else ''}{e}", file=sys.stderr)
+        return 130 if interrupted else EXIT_REQUEUE
     except KeyboardInterrupt:
         print(f"pretrain {args.verb}: interrupted", file=sys.stderr)
         return 130
@@ -324,6 +338,8 @@ def _eval(args) -> int:
     from pretrain.tasks import accuracy_line, evaluate_accuracy
     from pretrain.trainer import collator_for, evaluate_loss
 
+    if args.batches < 0:
+        raise ValueError(f"--batches must be at least 1 (or left out for train.eval_batches), got {args.batches}")
     if getattr(args, "sweep", None):
         return _sweep(args)
     model, spec, cfg, _ = load_for_inference(args.path, overrides=args.overrides, need=("tokenizer", "eval"))
@@ -469,6 +485,21 @@ def _import(args) -> int:
 def _plot(args) -> int:
     import os
 
+    from pretrain.metrics import read_metrics
+
+    if os.path.splitext(args.output)[1].lower() not in (".png", ".pdf", ".svg"):
+        raise ValueError(f"--output {args.output}: give a .png, .pdf or .svg file name")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise ValueError(f"--output {args.output}: the folder {os.path.dirname(os.path.abspath(args.output))} does "
+                         "not exist")
+    runs = {}
+    for run in args.runs:  # every run read before anything is drawn
+        path = run if run.endswith(".jsonl") else os.path.join(run, "metrics.jsonl")
+        if not os.path.isfile(path):
+            raise ValueError(f"{run} is neither a run directory with a metrics.jsonl nor a metrics.jsonl file")
+        runs[run] = read_metrics(run)
+        if not any("loss" in r for r in runs[run]):
+            raise ValueError(f"{run} has no training step logged yet")
     try:
         import matplotlib
     except ImportError:
@@ -476,11 +507,8 @@ def _plot(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pretrain.metrics import read_metrics
-
     fig, ax = plt.subplots(figsize=(8, 5))
-    for run in args.runs:
-        records = read_metrics(run)
+    for run, records in runs.items():
         label = os.path.basename(os.path.normpath(run))
         train = [r for r in records if "loss" in r]
         ax.plot([r[args.x] for r in train], [r["loss"] for r in train], label=f"{label} train")

@@ -116,8 +116,14 @@ def _step_of(line: str) -> int:
 
 def read_metrics(run_dir: str) -> list[dict]:
     path = run_dir if run_dir.endswith(".jsonl") else os.path.join(run_dir, "metrics.jsonl")
+    records = []
     with open(path) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+        for n, ln in enumerate(f, 1):
+            try:
+                records.append(json.loads(ln)) if ln.strip() else None
+            except ValueError:
+                raise ValueError(f"{path} line {n} is not a JSON record") from None
+    return records
 
 
 def format_duration(seconds: float) -> str:

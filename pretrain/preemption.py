@@ -7,6 +7,11 @@ all-reduce of a flag, so that all stop at the same step), write one checkpoint t
 `StopRequested`; the CLI exits with EXIT_REQUEUE and the batch script requeues the job, which
 resumes from `latest`. The checkpoint is atomic (written aside, then renamed), so a kill during the
 save loses nothing already written.
+
+Ctrl-C (SIGINT) takes the same path, exiting 130: every rank of a job gets it (a terminal's process
+group, or torchrun forwarding it), at different points of a step; stopping each rank where it stood
+would leave one rank in a collective the others never join. A second Ctrl-C stops at once
+(KeyboardInterrupt), the run keeping its latest checkpoint.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ class StopRequested(Exception):
     """Raised after the checkpoint of a requested stop is written."""
 
     def __init__(self, step: int, signame: str, seconds: float, grace_s: float):
+        self.signame = signame
         late = f", over the {grace_s:g} s grace time" if seconds > grace_s else f" (grace {grace_s:g} s)"
         super().__init__(f"stopped by {signame} after step {step}: checkpoint written {seconds:.1f} s after "
                          f"the signal{late}; the next start resumes from it")
@@ -41,17 +47,24 @@ def signal_numbers(names: list[str]) -> list[signal.Signals]:
 
 
 class StopOnSignal:
-    """Between install() and restore(), the given signals request a stop instead of killing us."""
+    """Between install() and restore(), the given signals and SIGINT request a stop instead of killing
+    us; a second SIGINT raises KeyboardInterrupt. `announce` gets one line when a stop is requested."""
 
-    def __init__(self, names: list[str]):
-        self.signals = signal_numbers(names)
+    def __init__(self, names: list[str], announce=None):
+        self.signals = list(dict.fromkeys([*signal_numbers(names), signal.SIGINT]))
         self.signame: str | None = None
         self.t_signal = 0.0
+        self.announce = announce
         self._previous: dict = {}
 
     def _handler(self, signum, frame) -> None:
         if self.signame is None:
             self.signame, self.t_signal = signal.Signals(signum).name, time.monotonic()
+            if self.announce is not None:
+                self.announce(f"{self.signame}: stopping after this step, with a checkpoint"
+                              + (" (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""))
+        elif signum == signal.SIGINT:  # the user insists
+            raise KeyboardInterrupt
 
     def install(self) -> None:
         import threading

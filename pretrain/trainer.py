@@ -195,6 +195,12 @@ class Window:
         }
 
 
+def _ignore_sigint(_worker_id: int) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, log=print):
         make_absolute(cfg)  # the stored config must work from any directory (pretrain/runs.py)
@@ -279,8 +285,8 @@ class Trainer:
         sampler = GlobalBatchSampler(t.global_batch_seqs, t.micro_batch_seqs, self.dp_rank, self.dp_size,
                                      consumed_samples=self.consumed)
         kwargs = dict(num_workers=data.num_workers, pin_memory=self.device.type == "cuda")
-        if data.num_workers:
-            kwargs.update(prefetch_factor=4, persistent_workers=True)
+        if data.num_workers:  # workers ignore Ctrl-C: the main process finishes its step with them
+            kwargs.update(prefetch_factor=4, persistent_workers=True, worker_init_fn=_ignore_sigint)
         return iter(torch.utils.data.DataLoader(self.train_data, batch_sampler=sampler,
                                                 collate_fn=self.collate, **kwargs))
 
@@ -342,7 +348,7 @@ class Trainer:
         self.last_saved, self.kernels_reported = self.step, False
         window, record = Window.start(self.device), {}
         self.model.train()
-        stop = StopOnSignal(t.stop_signals)
+        stop = StopOnSignal(t.stop_signals, announce=self.log)
         reset_paths_used()
         try:
             stop.install()
@@ -352,10 +358,9 @@ class Trainer:
                     record = self._log_window(window)
                     window = Window.start(self.device)
                 self._checkpoint_or_stop(stop)
-        except KeyboardInterrupt:
-            if self.step > self.last_saved:
-                self.log(f"interrupted: saving step {self.step} before exiting")
-                self.save()
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler is in place: no save (a
+            # collective some ranks would not join), the latest checkpoint stays
+            self.log(f"interrupted at step {self.step}; the next start resumes from step {self.last_saved}")
             raise
         finally:
             stop.restore()

@@ -53,6 +53,48 @@ def test_bad_sampling_arguments_are_one_sentence_before_any_work(args, sentence,
     assert not run.exists() and os.listdir(tmp_path) == []
 
 
+def test_other_bad_arguments_are_one_line_with_nothing_written(tmp_path):
+    (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "torn.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    none, m = str(tmp_path / "none"), str(tmp_path / "m.jsonl")
+    cases = [
+        (["eval", none, "--batches", "-1"], "pretrain eval: error: --batches must be at least 1 (or left out for "
+         "train.eval_batches), got -1"),
+        (["plot", none], f"pretrain plot: error: {none} is neither a run directory with a metrics.jsonl nor a "
+         "metrics.jsonl file"),
+        (["plot", m, "--output", str(tmp_path / "no" / "x.png")], f"pretrain plot: error: --output "
+         f"{tmp_path / 'no' / 'x.png'}: the folder {tmp_path / 'no'} does not exist"),
+        (["plot", m, "--output", str(tmp_path / "x.txt")], f"pretrain plot: error: --output {tmp_path / 'x.txt'}: "
+         "give a .png, .pdf or .svg file name"),
+        (["plot", str(tmp_path / "torn.jsonl")], f"pretrain plot: error: {tmp_path / 'torn.jsonl'} line 2 is not a "
+         "JSON record"),
+        (["plot", str(tmp_path / "empty")], f"pretrain plot: error: {tmp_path / 'empty'} has no training step logged yet"),
+        (["generate", none, "--max-tokens", "many"], "pretrain generate: error: argument --max-tokens: invalid int "
+         "value: 'many' (see pretrain generate --help)"),
+        (["export", none, str(tmp_path / "out")], f"pretrain export: error: {none} does not exist"),
+        (["import", none, str(tmp_path / "out")], f"pretrain import: error: {none} does not exist"),
+        (["info", "baseline/tiny", "model.n_layers=0"], "pretrain info: error: model.n_layers must be positive, got 0"),
+    ]
+    before = sorted(os.listdir(tmp_path))
+    for args, line in cases:
+        r = _cli(*args)
+        assert (r.returncode, r.stderr.strip()) == (2, line)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_every_option_has_help_and_numeric_ranges_are_stated():
+    from pretrain.cli import _parser
+
+    verbs = _parser()._subparsers._group_actions[0].choices
+    for name, verb in verbs.items():
+        for action in verb._actions:
+            assert action.help, f"pretrain {name} {action.option_strings or action.dest} has no help"
+            if action.type in (int, float) and action.option_strings != ["--seed"]:
+                assert any(s in action.help for s in (">=", "in (", "at least")), (name, action.option_strings)
+
+
 def test_a_hugging_face_folder_is_pointed_to_pretrain_import(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     r = _cli("generate", str(tmp_path))
@@ -152,3 +194,83 @@ def test_progress_shows_on_a_terminal_only(monkeypatch):
     assert term.getvalue().endswith("\rexporting tensors: 3/3\n")
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file, a pipe: nothing
     assert cli._progress("evaluating batches") is None
+
+
+# -- through a trained run: the printed continuation and Hugging Face's greedy decode agree ---------
+NOUNS = ("list", "dict", "set", "tuple", "string", "integer", "float", "module", "class", "function")
+ADJECTIVES = ("mutable", "ordered", "hashable", "iterable", "immutable", "callable")
+
+
+def _hf_word_tokenizer(texts, path) -> str:
+    """A Hugging Face BPE tokenizer.json with a metaspace pre-tokenizer: like sentencepiece, decoding a
+    word-initial piece alone drops its space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=200, special_tokens=[
+        "<unk>", "<s>", "</s>", "<pad>", "<predict>"]))
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["sentencepiece", "hf"])
+def word_run(request, tmp_path_factory):
+    """A tiny baseline trained on sentences 'The list type is mutable.' ... with each tokenizer kind, and
+    its Hugging Face export."""
+    import json
+    import random
+
+    from data_tools.cli import main as data_main
+    from pretrain.cli import main
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+    from trainer_helpers import tiny_overrides
+
+    tmp = tmp_path_factory.mktemp(request.param)
+    rng = random.Random(0)
+    texts = [" ".join(f"The {rng.choice(NOUNS)} type is {rng.choice(ADJECTIVES)}." for _ in range(6)) for _ in range(300)]
+    with open(tmp / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    tok = (str(load_tokenizer(train_sentencepiece(texts, tmp / "spm", vocab_size=300)).path)
+           if request.param == "sentencepiece" else _hf_word_tokenizer(texts, tmp / "tokenizer.json"))
+    assert data_main(["preprocess", "--input", str(tmp / "docs.jsonl"), "--tokenizer-model", tok, "--output-prefix",
+                      str(tmp / "docs"), "--workers", "1", "--no-progress"]) == 0
+    over = tiny_overrides(tmp, tmp / "docs_text_document", **{
+        "model.vocab_size": 320, "data.tokenizer": tok, "train.max_steps": 120, "train.compile": "false",
+        "checkpoint.every": 0, "train.eval_every": 0, "optim.lr": 1e-2, "schedule.warmup_steps": 5})
+    Trainer(load_config("baseline/tiny", over), log=lambda *_: None).fit()
+    assert main(["export", str(tmp / "run"), str(tmp / "hf"), "--format", "hf"]) == 0
+    return tmp, load_tokenizer(tok)
+
+
+def test_generate_prints_the_continuation_with_its_word_boundary(word_run):
+    tmp, tok = word_run
+    r = _cli("generate", str(tmp / "run"), "--prompt", "The", "--temperature", "0", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.rstrip("\n")
+    prompt = tok.encode("The")
+    new = tok.encode(text)[len(prompt):]
+    assert tok.encode(text)[:len(prompt)] == prompt and len(new) == 6
+    assert text.startswith("The ") and not tok.decode(new).startswith(" ")  # the space the bare decode drops
+    assert text.split()[1] in NOUNS  # it learned the sentences: the first word is whole
+
+
+def test_hugging_face_generate_reproduces_pretrain_generate_greedy(word_run):
+    """The HF export's AutoTokenizer + AutoModelForCausalLM.generate (greedy) print what `pretrain
+    generate --temperature 0` prints, with transformers and tokenizers alone (no sentencepiece)."""
+    tmp, _ = word_run
+    ours = _cli("generate", str(tmp / "run"), "--prompt", "The set type", "--temperature", "0", "--max-tokens", "12")
+    assert ours.returncode == 0, ours.stderr
+    code = ("import sys\nsys.modules['sentencepiece'] = None\nsys.modules['google.protobuf'] = None\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"tok = AutoTokenizer.from_pretrained({str(tmp / 'hf')!r})\n"
+            f"model = AutoModelForCausalLM.from_pretrained({str(tmp / 'hf')!r})\n"
+            "ids = tok('The set type', return_tensors='pt', add_special_tokens=False).input_ids\n"
+            "out = model.generate(ids, do_sample=False, max_new_tokens=12)\n"
+            "print(tok.decode(out[0], skip_special_tokens=True))")
+    theirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert theirs.returncode == 0, theirs.stderr[-2000:]
+    assert theirs.stdout.strip().splitlines()[-1] == ours.stdout.rstrip("\n")

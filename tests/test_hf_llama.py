@@ -218,13 +218,16 @@ def test_other_bad_imports(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_a_sentencepiece_tokenizer_is_shipped_as_transformers_loads_it(tmp_path):
+@pytest.mark.parametrize("model_type", ["bpe", "unigram"])
+def test_a_sentencepiece_tokenizer_is_shipped_as_transformers_loads_it(tmp_path, model_type):
+    from data_tools.hf_tokenizer import model_type as stored_type
     from data_tools.tokenizer import load_tokenizer, train_sentencepiece
     from pretrain.models.hf_llama import ADAPTER
 
     root = os.path.dirname(os.__file__)
     texts = [open(os.path.join(root, n)).read() for n in sorted(os.listdir(root))[:30] if n.endswith(".py")]
-    train_sentencepiece(texts, str(tmp_path / "spm"), vocab_size=400)
+    train_sentencepiece(texts, str(tmp_path / "spm"), vocab_size=400, model_type=model_type)
+    assert stored_type(open(tmp_path / "spm.model", "rb").read()) == model_type
     ours = load_tokenizer(str(tmp_path / "spm.model"))
     os.makedirs(tmp_path / "hf")
     assert ADAPTER.write_tokenizer(str(tmp_path / "hf"), str(tmp_path / "spm.model"), ours) == [
@@ -235,7 +238,7 @@ def test_a_sentencepiece_tokenizer_is_shipped_as_transformers_loads_it(tmp_path)
     assert (theirs.eos_token_id, theirs.bos_token_id) == (ours.eod_id, ours.special_ids()["bos"])
     # with transformers and tokenizers alone (sentencepiece and protobuf made unimportable), on mixed text:
     # unicode, byte fallback (emoji, CJK), runs of spaces, tabs, newlines, digits
-    mixed = "naïve café — Grüße, 日本語のテキスト, emoji 🙂\n\n\tindented    code(x) = 12345  "
+    mixed = "naïve café — Grüße, 日本語のテキスト, emoji 🙂\n\n\tindented    code(x) = 12345  <0x41> <unk> <s>x</s> "
     code = ("import sys, json\nsys.modules['sentencepiece'] = None\nsys.modules['google.protobuf'] = None\n"
             "import transformers\n"
             f"t = transformers.AutoTokenizer.from_pretrained({str(tmp_path / 'hf')!r}, local_files_only=True)\n"

@@ -79,6 +79,57 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, corpus
     assert os.path.isdir(tmp_path / "ddp" / "checkpoints" / "step_00000004")
 
 
+def _ctrl_c_at_different_points(rank, world, tmp, corpus):
+    from pretrain.trainer import Trainer
+
+    trainer = Trainer(load_config("baseline/tiny", _overrides(tmp, corpus, "ctrl-c")), log=lambda *_: None)
+    engine_step, forward_backward = trainer.engine.step, trainer.engine.forward_backward
+
+    def step_then_interrupt():  # rank 0: after the 4th step's optimizer update, before its end
+        engine_step()
+        if rank == 0 and trainer.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def interrupt_then_forward(*args, **kwargs):  # rank 1: as the 4th step's forward starts
+        if rank == 1 and trainer.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return forward_backward(*args, **kwargs)
+
+    trainer.engine.step, trainer.engine.forward_backward = step_then_interrupt, interrupt_then_forward
+    try:
+        trainer.fit()
+    except StopRequested as e:
+        return e.step, e.signame
+    return None, "not stopped"
+
+
+def test_ctrl_c_at_different_points_of_a_step_stops_every_rank_after_it_with_a_checkpoint(tmp_path, corpus):
+    """Ranks hear Ctrl-C at different points of the same step (one mid-step, one between its update and
+    its end): none stops where it stood (the others would wait in a collective); all finish the step,
+    save it together and stop."""
+    results = run_ranks(_ctrl_c_at_different_points, 2, args=(str(tmp_path), corpus))
+    assert results == [(4, "SIGINT"), (4, "SIGINT")], results
+    assert os.path.isdir(tmp_path / "ctrl-c" / "checkpoints" / "step_00000004")
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    from pretrain.preemption import StopOnSignal
+
+    lines = []
+    stop = StopOnSignal(["SIGTERM"], announce=lines.append)
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signame == "SIGINT" and lines == [
+            "SIGINT: stopping after this step, with a checkpoint (Ctrl-C again to stop at once)"]
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_stop_signals_are_validated():
     with pytest.raises(ConfigError, match="SIGKILL.* is not a signal that can be caught"):
         load_config("baseline/tiny", ["train.stop_signals=[SIGKILL]"], check_data=False)

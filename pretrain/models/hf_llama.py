@@ -91,7 +91,7 @@ class LlamaAdapter:
         return out
 
     def write_tokenizer(self, folder: str, path: str, tok) -> list[str]:
-        """The tokenizer as transformers finds it: tokenizer.json (a sentencepiece BPE model converted, so
+        """The tokenizer as transformers finds it: tokenizer.json (a sentencepiece model converted, so
         that transformers and tokenizers alone load it; the model itself too, as tokenizer.model), with a
         tokenizer_config.json naming its special tokens."""
         import json
@@ -103,17 +103,16 @@ class LlamaAdapter:
         if sentencepiece:
             from data_tools.hf_tokenizer import sentencepiece_to_hf
 
-            fast = sentencepiece_to_hf(path)  # None for a unigram model: transformers reads tokenizer.model
-            if fast is not None:
-                fast.save(os.path.join(folder, "tokenizer.json"))
-                written.append("tokenizer.json")
+            sentencepiece_to_hf(path).save(os.path.join(folder, "tokenizer.json"))
+            written.append("tokenizer.json")
         ids = tok.special_ids()
         special = {f"{k}_token": tok.id_to_token(i) for k, i in (("bos", ids.get("bos")), ("eos", tok.eod_id),
                                                                  ("unk", ids.get("unk")), ("pad", ids.get("pad")))
                    if i is not None}
         fast = "tokenizer.json" in written
         config = {"tokenizer_class": "PreTrainedTokenizerFast" if fast else "LlamaTokenizer",
-                  "add_bos_token": False, "add_eos_token": False, "legacy": False, **special}
+                  "add_bos_token": False, "add_eos_token": False, "legacy": False,
+                  "split_special_tokens": True, **special}  # "<s>" in text is text, as in ours
         with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
             json.dump(config, f, indent=2)
         return [*written, "tokenizer_config.json"]
