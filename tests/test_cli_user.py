@@ -247,7 +247,8 @@ def word_run(request, tmp_path_factory):
 
 def test_generate_prints_the_continuation_with_its_word_boundary(word_run):
     tmp, tok = word_run
-    r = _cli("generate", str(tmp / "run"), "--prompt", "The", "--temperature", "0", "--max-tokens", "6")
+    r = _cli("generate", str(tmp / "run"), "--prompt", "The", "--temperature", "0", "--max-tokens", "6",
+             "train.threads=1", "train.device=cpu")  # runtime settings, as train takes them
     assert r.returncode == 0, r.stderr
     text = r.stdout.rstrip("\n")
     prompt = tok.encode("The")
