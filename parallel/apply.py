@@ -3,15 +3,16 @@
     engine = parallelize(build, settings, make_optimizer, recompute=..., compile=...)
 
 applies, in this order (torchtitan's; each step needs the one before it):
-1. the layout: megatron-core's parallel state for TP x DP (parallel/mesh.py); `build()` then runs
-   under it, so the parallel.layers facades build TP/SP-split layers where the model asks for
-   linears, embeddings and norms;
+1. the layout: megatron-core's parallel state for TP x DP x PP (parallel/mesh.py); `build()` then
+   runs under it, so the parallel.layers facades build TP/SP-split layers where the model asks for
+   linears, embeddings and norms; with pipeline stages, the model keeps this rank's stage only;
 2. activation recompute, when `parallel.recompute` asks for it: the architecture's policy
    (parallel/recompute.py's Recompute) either wraps modules in checkpointing or configures the model
    to recompute by itself (segments of a time loop, a custom backward);
 3. compile: `torch.compile` of the model's forward, in place (parameter names and the module stay
    the same for checkpoints and the engines);
-4. the data-parallel engine `parallel.data_parallel` names, around the model and the optimizer
+4. the data-parallel engine `parallel.data_parallel` names (the pipeline engine with stages), around the
+   model and the optimizer
    `make_optimizer(model)` builds (the trainer's; the engine may shard it or, for megatron, build
    its own from its hyperparameters).
 The trainer calls it once; nothing else in the code applies parallelism to a model.
@@ -30,17 +31,27 @@ from parallel.recompute import Recompute, as_policy
 def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
                 recompute: Recompute | Callable[[torch.nn.Module], list] | None = None,
-                compile: bool = False) -> Engine:
+                compile: bool = False, pipeline_split: Callable[[int], list] | None = None) -> Engine:
     """The engine around the model `build()` makes, with the steps of the module docstring applied;
     `recompute` is the activation-recompute policy chosen (a Recompute, or a bare function model ->
-    modules to wrap), or None."""
+    modules to wrap), or None; `pipeline_split(pp)` gives the stage boundaries under parallel.pp > 1."""
     parallel = settings.parallel
-    setup_layout(parallel)  # 1
+    lay = setup_layout(parallel)  # 1
     model = build()
+    stage = None
+    if lay.pp > 1:  # the whole model is built (the same initialisation as one process), then cut
+        from parallel.pipeline import Stage
+
+        stage = Stage.of(pipeline_split(lay.pp))
+        model.keep_stage(stage.lo, stage.hi, stage.first, stage.last)
     if recompute is not None:  # 2
         as_policy(recompute).apply(model)
     if compile:  # 3
         model.compile()
+    if stage is not None:  # 4
+        from parallel.pipeline import PipelineEngine
+
+        return PipelineEngine(model, make_optimizer(model), settings, stage)
     return engine_class(parallel.data_parallel)(model, make_optimizer(model), settings)  # 4
 
 

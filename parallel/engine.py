@@ -9,8 +9,8 @@ through the same calls, never branching on which one runs:
     engine.step(); engine.zero_grad()
 
 `forward_backward` runs the model contract (`model(batch, ctx) -> (loss, diagnostics)`, see
-pretrain/models/base.py) over one optimizer step's micro batches; a pipeline engine will implement
-it with megatron-core's schedules. `engine.describe()` says what runs, for the start line.
+pretrain/models/base.py) over one optimizer step's micro batches; the pipeline engine
+(parallel/pipeline.py) implements it with megatron-core's 1F1B schedule. `engine.describe()` says what runs, for the start line.
 
 An engine is also the checkpoint view of its model and optimizer (parallel/state.py): it hands over
 full tensors keyed by the single-device model's parameter names and takes them back, whatever its
@@ -153,6 +153,11 @@ class Engine:
 
     def describe(self) -> str:
         return "torch DDP" if self.wrapped is not self.model else "single process"
+
+    @property
+    def inference_model(self) -> torch.nn.Module:
+        """What evaluation calls as model(batch, ctx) -> (loss, diagnostics) (a pipeline runs its stages)."""
+        return self.model
 
     # the training step
     def forward_backward(self, micro_batches: list, weights: torch.Tensor, ctx, autocast=nullcontext):

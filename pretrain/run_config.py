@@ -37,9 +37,11 @@ class ParallelConfig:
     def validate(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
-        if self.pp != 1:
-            raise ConfigError(f"parallel.pp={self.pp} is not supported yet (only 1); pipeline parallelism "
-                              "arrives with the pipeline issue")
+        if self.pp < 1:
+            raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
+        if self.pp > 1 and self.data_parallel != "ddp":
+            raise ConfigError(f"parallel.pp={self.pp} with parallel.data_parallel={self.data_parallel} is not "
+                              "supported yet (not shown to work); use parallel.data_parallel=ddp")
         if self.sp and self.tp == 1:
             raise ConfigError("parallel.sp=true splits the sequence over the tensor-parallel group: it needs "
                               "parallel.tp > 1")
@@ -269,6 +271,17 @@ class RunConfig:
         if self.parallel.recompute != "none" and self.parallel.recompute not in policies:
             offered = f"offers {', '.join(policies)}" if policies else "names no recompute policy in its registry entry"
             raise ConfigError(f"parallel.recompute={self.parallel.recompute}: model.arch {spec.name!r} {offered}")
+        if self.parallel.pp > 1:
+            try:
+                spec.pipeline_split(self.model, self.parallel.pp)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self.train.compile:
+                raise ConfigError(f"train.compile=true with parallel.pp={self.parallel.pp} is not supported yet "
+                                  "(the stages run outside the compiled forward); set train.compile=false")
+            if self.data.task:
+                raise ConfigError(f"data.task={self.data.task} with parallel.pp={self.parallel.pp} is not supported "
+                                  "(a task's accuracy reads logits, which only the last stage has)")
         for name, size in spec.tp_dims(self.model).items() if spec.tp_dims else ():
             if size % self.parallel.tp:
                 raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide {name} = {size}")

@@ -211,7 +211,8 @@ class Trainer:
         env = init_distributed(detect_env(), timeout_s=cfg.parallel.timeout_s)
         self.rank, self.world_size = env.rank, env.world_size
         self.log = rank_logger(t.run_dir if env.world_size > 1 else None, env, echo=log)
-        self.n_micro = accumulation_steps(t.global_batch_seqs, t.micro_batch_seqs, env.world_size // cfg.parallel.tp,
+        self.n_micro = accumulation_steps(t.global_batch_seqs, t.micro_batch_seqs,
+                                          env.world_size // (cfg.parallel.tp * cfg.parallel.pp),
                                           names=("train.global_batch_seqs", "train.micro_batch_seqs"))
         self.device = resolve_device(t)
         self.amp_dtype = autocast_dtype(t, self.device)
@@ -227,7 +228,8 @@ class Trainer:
 
         # layout, recompute, compile, engine: in that order, in one place (parallel/apply.py)
         self.engine = parallelize(build, EngineSettings.from_run(cfg), lambda m: build_optimizer(m, cfg.optim),
-                                  self.spec.recompute_policies().get(cfg.parallel.recompute), compile=t.compile)
+                                  self.spec.recompute_policies().get(cfg.parallel.recompute), compile=t.compile,
+                                  pipeline_split=lambda pp: self.spec.pipeline_split(cfg.model, pp))
         self.model, self.layout = self.engine.model, layout()
         self.dp_rank, self.dp_size = dp_rank_and_size()
         self.step, self.consumed = 0, 0
@@ -318,7 +320,7 @@ class Trainer:
     def evaluate(self) -> dict:
         t = self.cfg.train
         n = min(t.eval_batches * t.micro_batch_seqs, self.valid_samples)
-        out = evaluate_loss(self.model, self.valid_data, n, t.micro_batch_seqs, self.collate, self.device,
+        out = evaluate_loss(self.engine.inference_model, self.valid_data, n, t.micro_batch_seqs, self.collate, self.device,
                             self._autocast)
         if self.cfg.data.task:  # a synthetic task also reports its accuracy per group (val_acc_<group>)
             from pretrain.tasks import evaluate_accuracy

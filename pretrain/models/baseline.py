@@ -19,7 +19,7 @@ from pretrain.models import decoder
 from pretrain.models.blocks import Block, upgrade_attention_state
 from pretrain.models.decoder import Decoder, DecoderConfig
 from pretrain.models.hf_llama import ADAPTER as LLAMA
-from pretrain.models.registry import ArchSpec, register
+from pretrain.models.registry import ArchSpec, Support, register
 
 
 @dataclass
@@ -61,6 +61,8 @@ SPEC = register(ArchSpec(
     build=TransformerPP,
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
+    supports=Support(pp=True),
+    pipeline_split=decoder.pipeline_split,
     tp_dims=decoder.tp_dims,
     recompute_units=lambda model: list(model.blocks),
     hf=LLAMA,  # transformers' LlamaForCausalLM (pretrain export --format hf, pretrain import)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from kernels.attention import Mask, decoder_mask
 from parallel.layers import LMHead, VocabEmbedding
+from parallel.pipeline import NotOnThisStage, mark_tied
 from pretrain.models.base import EVAL, ModelConfig
 from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
 
@@ -147,6 +148,10 @@ class Decoder(nn.Module):
                            init_std=cfg.init_std, loss_chunk=cfg.loss_chunk)
         self.rope = Rope(options.head_dim, cfg.max_seq_len, cfg.rope_theta) if options.positions == "rope" else None
 
+    def rope_device(self) -> torch.device:
+        """The model's device (any parameter's: a pipeline stage holds only some)."""
+        return next(self.parameters()).device
+
     def make_norm(self, dim: int) -> nn.Module:
         """A norm of the block family (its options' `norm`: RMSNorm or LayerNorm)."""
         return make_norm(self.cfg.block_options(1).norm, dim, self.cfg.norm_eps)
@@ -184,9 +189,55 @@ class Decoder(nn.Module):
 
     def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
         """Mean next-token loss over the batch's loss_mask, and diagnostics (none here)."""
+        return self.run_stage(batch, ctx, None, 0, len(self.applications()), last=True)
+
+    # -- pipeline stages (parallel/pipeline.py): the trunk's block applications are the units ----------
+    def stage_inputs(self, batch) -> tuple[Tensor, Attend]:
+        """What the first stage embeds and the value every block attends with: each stage builds the
+        latter from the batch (masks and RoPE tables are values, not activations to send)."""
         doc_ids = batch.doc_ids if self.cfg.document_mask else None
-        h = self.hidden(batch.tokens, batch.positions, doc_ids)
-        return self.head.loss(h, batch.labels, batch.loss_mask), {}
+        return batch.tokens, self.attend(batch.positions, self.mask(doc_ids))
+
+    def stage_output(self, h: Tensor, batch) -> tuple[Tensor, dict]:
+        """The last stage's end, from the last block's output: final norm, head and loss."""
+        return self.head.loss(self.norm(h), batch.labels, batch.loss_mask), {}
+
+    def run_stage(self, batch, ctx, h: Tensor | None, lo: int, hi: int, last: bool) -> tuple[Tensor, dict]:
+        """Block applications [lo, hi) on h (None: the embedded tokens, for the first stage); the loss
+        and diagnostics when `last`, else the hidden states for the next stage and diagnostics."""
+        tokens, a = self.stage_inputs(batch)
+        if h is None:
+            h = self.embed(tokens)
+        applications = self.applications()
+        for slot in range(lo, hi):
+            h = applications[slot](h, a.at(slot))
+        return self.stage_output(h, batch) if last else (h, {})
+
+    def pipeline_units(self) -> int:
+        return len(self.applications())
+
+    def keep_stage(self, lo: int, hi: int, first: bool, last: bool) -> None:
+        """Drop what a pipeline stage running applications [lo, hi) does not run. The kept parameters
+        keep their single-device names; a head tied to the embedding keeps its own reference to the
+        weight on the last stage (the two copies' gradients are summed by the pipeline engine)."""
+        drop_outside(self.blocks, lo, hi)
+        self.drop_ends(first, last)
+
+    def drop_ends(self, first: bool, last: bool) -> None:
+        """The embedding off the first stage, the final norm and head off the last; a tied weight marked."""
+        if self.cfg.tie_embeddings:
+            mark_tied((self.embed if first else self.head).weight)
+        if not first:
+            self.embed = None
+        if not last:
+            self.norm = self.head = None
+
+
+def drop_outside(blocks: nn.ModuleList, lo: int, hi: int, offset: int = 0) -> None:
+    """Replace the blocks of units outside [lo, hi) (block i is unit offset + i) by placeholders."""
+    for i in range(len(blocks)):
+        if not lo <= offset + i < hi:
+            blocks[i] = NotOnThisStage()
 
     def logits(self, tokens: Tensor) -> Tensor:
         """Full-sequence logits [B, T, V] (float32) of tokens [B, T], each row one document from position 0."""
@@ -205,6 +256,14 @@ class Decoder(nn.Module):
             raise ValueError(f"generation would exceed model.max_seq_len {state.max_len}")
         positions = torch.arange(state.length, state.length + n, device=tokens.device).expand(tokens.shape[0], n)
         return self.head.logits(self.hidden(tokens, positions, None, state)), state
+
+
+def pipeline_split(cfg, pp: int) -> list[int]:
+    """Stage boundaries of a decoder (its registry `pipeline_split`): n_layers blocks in pp equal runs."""
+    L = cfg.n_layers
+    if L % pp:
+        raise ValueError(f"model.n_layers={L} does not split into parallel.pp={pp} pipeline stages of equal depth")
+    return [i * L // pp for i in range(pp + 1)]
 
 
 def tp_dims(cfg) -> dict[str, int]:

@@ -27,9 +27,8 @@ class Support:
     reasons: dict[str, str] = field(default_factory=dict)  # feature -> why it is refused
 
     def __post_init__(self):
-        # A refused feature must say why (the refusal sentence quotes it); pp is refused for every
-        # architecture by ParallelConfig until pipeline parallelism lands, and an architecture that
-        # will refuse it even then says why in reasons["pp"] (quoted instead of the generic refusal).
+        # A refused feature must say why (the refusal sentence quotes it); pipeline parallelism refused
+        # without a reason of its own is refused for the lack of a registry `pipeline_split`.
         refused = [f for f, ok in (("tp", self.tp), ("sp", self.sp)) if not ok]
         refused += ["zero"] if set(self.zero_stages) != {0, 1, 2, 3} else []
         missing = [f for f in refused if not self.reasons.get(f)]
@@ -38,13 +37,15 @@ class Support:
 
     def refusal(self, parallel) -> str | None:
         """Why this architecture cannot run under `parallel` (a ParallelConfig), or None."""
-        asks = [("pp", parallel.pp > 1 and not self.pp and "pp" in self.reasons, f"parallel.pp={parallel.pp}"),
+        reasons = {"pp": "the architecture has no pipeline stages: no pipeline_split in its registry entry",
+                   **self.reasons}
+        asks = [("pp", parallel.pp > 1 and not self.pp, f"parallel.pp={parallel.pp}"),
                 ("tp", parallel.tp > 1 and not self.tp, f"parallel.tp={parallel.tp}"),
                 ("sp", parallel.sp and not self.sp, "parallel.sp=true"),
                 ("zero", parallel.zero_stage not in self.zero_stages, f"parallel.zero_stage={parallel.zero_stage}")]
         for feature, refused, setting in asks:
             if refused:
-                return f"{setting} is not supported ({self.reasons[feature]})"
+                return f"{setting} is not supported ({reasons[feature]})"
         return None
 
 
@@ -93,9 +94,12 @@ class ArchSpec:
     # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; RunConfig.validate refuses a
     # parallel.tp that does not divide each (a decoder-shaped config: pretrain/models/decoder.py's tp_dims)
     tp_dims: Callable[[Any], dict[str, int]] | None = None
-    # Placeholders nothing reads yet: an activation-memory estimate and a pipeline split, for the issues
-    # that need them (ParallelConfig refuses parallel.pp > 1 for every architecture meanwhile).
+    # An activation-memory estimate for the planner (not written yet).
     activation_bytes: Callable[[Any, int, int, str], int] | None = None
+    # Pipeline stages (parallel/pipeline.py): pipeline_split(cfg, pp) -> pp + 1 boundaries over the
+    # model's pipeline units (its `pipeline_units()`; ValueError, one sentence, when they do not split);
+    # the model runs a stage with run_stage(batch, ctx, h, lo, hi, last) and drops the rest with
+    # keep_stage(lo, hi, first, last). Support.pp must be set with it.
     pipeline_split: Callable[[Any, int], list] | None = None
     # Activation recompute policies (parallel/recompute.py): {policy name: policy}, the first being the
     # recommended one (`parallel.recompute=full`); a single policy is the one policy "full". A policy is
@@ -208,6 +212,8 @@ def register(spec: ArchSpec) -> ArchSpec:
     if not (isinstance(spec.config_cls, type) and issubclass(spec.config_cls, ModelConfig)):
         raise TypeError(f"architecture {spec.name!r}: its config class must derive from "
                         "pretrain.models.base.ModelConfig")
+    if spec.supports.pp != (spec.pipeline_split is not None):
+        raise ValueError(f"architecture {spec.name!r}: Support.pp and pipeline_split go together")
     if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
         raise ValueError(f"architecture {spec.name!r} is registered twice")
     _REGISTRY[spec.name] = spec

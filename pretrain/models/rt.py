@@ -29,9 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from kernels.rt_prefill import rt_prefill, schedule, tiled
-from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, apply_rope, make_norm, mlp
-from pretrain.models.decoder import Decoder, DecoderConfig, tp_dims
+from pretrain.models.decoder import Decoder, DecoderConfig, pipeline_split, tp_dims
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 
 
@@ -209,12 +208,12 @@ class RT(Decoder):
     def applications(self) -> list[nn.Module]:
         return list(self.blocks)
 
-    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
-        """Mean next-token loss over loss_mask; positions run over the packed sample (no resets)."""
+    def stage_inputs(self, batch):
+        """The training forward (the decoder's run_stage): positions run over the packed sample (no
+        resets), no document mask."""
         tokens = batch.tokens
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        h = self.hidden(tokens, positions)
-        return self.head.loss(h, batch.labels, batch.loss_mask), {}
+        return tokens, self.attend(positions, self.mask(None))
 
 
 def flops_per_token(cfg: RTConfig, seq_len: int, ctx=None) -> float:
@@ -237,7 +236,8 @@ SPEC = register(ArchSpec(
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
     decode=DecodeRelation("exact"),
-    supports=Support(tp=False, sp=False, zero_stages=(0, 1, 2), reasons={
+    pipeline_split=pipeline_split,
+    supports=Support(tp=False, sp=False, pp=True, zero_stages=(0, 1, 2), reasons={
         "zero": "ZeRO-3 partitions parameters and gathers them around each module's forward, but RT's custom backward "
                 "runs the layer's modules again inside the backward pass, on parameters ZeRO-3 has released",
         "tp": "RT's QK-norm normalises over the heads tensor parallelism would split, and its output projection "

@@ -38,10 +38,9 @@ from torch import Tensor, nn
 from kernels.attention import Mask
 from parallel.layers import gather_sequence, local_sequence
 from pretrain.models import decoder
-from pretrain.models.base import EVAL
 from pretrain.models.blocks import Block
 from pretrain.models.decoder import Decoder, DecoderConfig
-from pretrain.models.registry import ArchSpec, register
+from pretrain.models.registry import ArchSpec, Support, register
 
 X, RHO = 0, 1  # slot kinds: the input token, its <predict> slot
 # variant -> (the persistent kind, None for both; the kind the logits are read from)
@@ -262,7 +261,7 @@ class SPS(Decoder):
 
     def slot_mask(self, T: int, doc_ids: Tensor | None, interleaved: bool = False) -> SlotMask:
         """The training mask of T-token samples (doc_ids [B, T] or None) in the given slot layout."""
-        tok, kind = slot_tables(T, doc_ids.device if doc_ids is not None else self.embed.weight.device, interleaved)
+        tok, kind = slot_tables(T, doc_ids.device if doc_ids is not None else self.rope_device(), interleaved)
         doc = None
         if doc_ids is not None:
             doc = doc_ids.long().repeat_interleave(2, 1) if interleaved else doc_ids.long().repeat(1, 2)
@@ -280,12 +279,16 @@ class SPS(Decoder):
         h = self.body(self.slots(tokens), positions.repeat(1, 2), self.slot_mask(T, doc_ids))
         return self.readout(h, T)
 
-    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
-        """Mean next-token loss at the read-out slots over the batch's loss_mask (no loss where the input
-        is EOS or a target crosses a document or is padding: the data path's loss_mask)."""
+    # The training forward is the decoder's (run_stage over every block): the slots and their mask
+    # below, then the read-out slots' loss over the batch's loss_mask (no loss where the input is EOS
+    # or a target crosses a document or is padding: the data path's loss_mask).
+    def stage_inputs(self, batch):
         doc_ids = batch.doc_ids if self.cfg.document_mask else None
-        h = self._hidden(batch.tokens, batch.positions, doc_ids)
-        return self.head.loss(h, batch.labels, batch.loss_mask), {}
+        T = batch.tokens.shape[1]
+        return self.slots(batch.tokens), self.attend(batch.positions.repeat(1, 2), self.slot_mask(T, doc_ids))
+
+    def stage_output(self, h: Tensor, batch) -> tuple[Tensor, dict]:
+        return self.head.loss(self.readout(h, batch.tokens.shape[1]), batch.labels, batch.loss_mask), {}
 
     def logits(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -331,6 +334,8 @@ SPEC = register(ArchSpec(
     build=SPS,
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
+    supports=Support(pp=True),
+    pipeline_split=decoder.pipeline_split,
     tp_dims=decoder.tp_dims,
     recompute_units=lambda model: list(model.blocks),
     internal_tokens=internal_tokens,

@@ -1,0 +1,291 @@
+"""Pipeline parallelism: a model cut into stages, one per pipeline rank, run by megatron-core's 1F1B
+schedule over the pipeline group.
+
+The model says how it cuts (pretrain/models/registry.py's `pipeline_split` and the model's
+`pipeline_units`, `run_stage` and `keep_stage`); this module knows nothing of what a unit is:
+    stage = Stage.of(boundaries)            # this rank's units [lo, hi), first/last
+    model.keep_stage(lo, hi, first, last)   # what other stages run is dropped; names stay single-device
+    engine = PipelineEngine(model, optimizer, settings, stage)
+
+Why megatron-core's schedule: it calls the step function with the data iterator on every stage, so
+every stage reads the same micro batch and the step context (masks, positions, CRT/CART draws are
+values each stage rebuilds from the batch; only the hidden states travel), and it runs over gloo on
+CPU (shapes are exchanged per message: `variable_seq_lengths`, so SPS's doubled sequence or any other
+activation shape needs no configuration). The loss of micro batch i is scaled by weights[i] on the
+last stage (megatron's per-token mode, which divides by nothing), exactly as the other engines scale it.
+
+After the schedule: data-parallel gradients are averaged (one flat all-reduce per dtype, the stage's
+parameters only), a weight tied across the first and last stages (the embedding and the output head)
+has its two gradients summed over megatron's embedding group, and the gradient norm is reduced over
+the stages (the tied copy counted once), so every rank clips with, and decides a skipped step on, the
+same norm. The loss and the diagnostics of every stage are summed over the pipeline group, so that
+every rank reports the same figures.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel import cpu_shim
+from parallel.dist import collective
+from parallel.engine import Engine, FullState
+from parallel.grads import clip_grad_norm
+from parallel.layers import is_tensor_parallel, sequence_parallel_params
+from parallel.mesh import layout
+from parallel.state import LocalState
+
+TIED = "_pipeline_tied"  # attribute of a parameter a model ties across the first and last stages
+
+
+class NotOnThisStage(nn.Module):
+    """The place of a module another pipeline stage runs (keeps the indices of a ModuleList)."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module runs on another pipeline stage")
+
+
+def mark_tied(p: nn.Parameter) -> None:
+    """Mark a parameter that the first and the last stage each hold a copy of (their grads are summed)."""
+    setattr(p, TIED, True)
+
+
+@dataclass(frozen=True)
+class Stage:
+    lo: int
+    hi: int
+    first: bool
+    last: bool
+
+    @classmethod
+    def of(cls, boundaries: list[int]) -> "Stage":
+        lay = layout()
+        if len(boundaries) != lay.pp + 1:
+            raise ValueError(f"a pipeline split has pp + 1 = {lay.pp + 1} boundaries, got {boundaries}")
+        r = lay.pp_rank
+        return cls(boundaries[r], boundaries[r + 1], lay.first_stage, lay.last_stage)
+
+
+def balanced_split(costs: list[float], pp: int) -> list[int]:
+    """Boundaries cutting units of the given costs into pp contiguous runs of at least one unit with the
+    smallest largest run cost (ties: the earliest cuts); ValueError when there are fewer units than stages."""
+    n = len(costs)
+    if n < pp:
+        raise ValueError(f"{n} pipeline units cannot make {pp} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the smallest largest cost of cutting units [0, i) into k runs; exact DP (n and pp are small)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pp + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    bounds, i = [n], n
+    for k in range(pp, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def _schedule_config(pp: int, dtype: torch.dtype):
+    """The TransformerConfig megatron-core's schedules read (their p2p and loss handling only)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=pp, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
+                             pipeline_dtype=dtype, variable_seq_lengths=True, calculate_per_token_loss=True,
+                             use_cpu_initialization=True, gradient_accumulation_fusion=False,
+                             moe_token_dispatcher_type="alltoall")  # (its check of variable lengths; no MoE here)
+
+
+class _ScheduleView(nn.Module):
+    """What megatron's schedule calls on a model: its config, model type and set_input_tensor."""
+
+    def __init__(self, config):
+        super().__init__()
+        from megatron.core.enums import ModelType
+
+        self.config, self.model_type, self.input = config, ModelType.encoder_or_decoder, None
+
+    def set_input_tensor(self, tensors) -> None:
+        self.input = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
+
+
+class PipelineState:
+    """A stage's checkpoint view: its tensors under their single-device names (the other stages hold
+    the rest), and the optimizer's param_groups listing every stage's names (merged on save, this
+    stage's kept on load), so a checkpoint is the single-device one."""
+
+    def __init__(self, inner):
+        self.inner, self.has_optimizer = inner, inner.has_optimizer
+
+    def get_state(self):
+        model_sd, optim_sd = self.inner.get_state()
+        if optim_sd is not None:
+            everyone = [None] * layout().pp
+            collective("all_gather_object(param_groups)", dist.all_gather_object, everyone,
+                       [g["params"] for g in optim_sd["param_groups"]], group=layout().pp_group)
+            groups = [dict(g, params=[n for stage in everyone for n in stage[i]])
+                      for i, g in enumerate(optim_sd["param_groups"])]
+            optim_sd = {**optim_sd, "param_groups": groups}
+        return model_sd, optim_sd
+
+    def model_template(self):
+        return self.inner.model_template()
+
+    def optim_template(self):
+        return self.inner.optim_template()
+
+    def set_state(self, model_sd, optim_state, groups):
+        if groups is not None:
+            mine = set(self.inner.model_template())
+            groups = [dict(g, params=[n for n in g["params"] if n in mine]) for g in groups]
+        self.inner.set_state(model_sd, optim_state, groups)
+
+
+class PipelineEngine(Engine):
+    """This rank's stage, trained with megatron-core's 1F1B schedule; data parallelism by an
+    all-reduce of the stage's gradients after the schedule (parallel.data_parallel=ddp)."""
+
+    name = "pipeline"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings, stage: Stage):
+        lay = layout()
+        self.model, self.optimizer, self.settings, self.stage = model, optimizer, settings, stage
+        self.wrapped = self.forward = model
+        self.sp_params = sequence_parallel_params(model)
+        self.tied = [p for p in model.parameters() if getattr(p, TIED, False)]
+        self.view = _ScheduleView(_schedule_config(lay.pp, next(model.parameters()).dtype))
+        self.state = FullState(PipelineState(LocalState(model, optimizer)), model)
+        self._forward_only = PipelineForward(self)
+
+    @property
+    def inference_model(self) -> nn.Module:
+        return self._forward_only
+
+    def describe(self) -> str:
+        lay, s = layout(), self.stage
+        dp = f", gradients averaged over {lay.dp} data-parallel ranks" if lay.dp > 1 else ""
+        return f"pipeline stage {lay.pp_rank + 1}/{lay.pp} (units {s.lo}..{s.hi - 1}), megatron-core 1F1B{dp}"
+
+    def run(self, micro_batches: list, weights: torch.Tensor | None, ctx, autocast=nullcontext,
+            forward_only: bool = False):
+        """The schedule over the micro batches; returns (sum of weights[i] x loss_i and the weighted
+        diagnostics, summed over the stages: the same on every rank; forward seconds of this stage)."""
+        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+        s, model, view = self.stage, self.model, self.view
+        n = len(micro_batches)
+        weights = torch.ones(n) if weights is None else weights
+        loss_sum = torch.zeros((), dtype=torch.float32)
+        sums: dict[str, torch.Tensor] = {}
+        t_fwd = [0.0]
+
+        def step(data_iterator, _model):
+            i = next(data_iterator)
+            t0 = time.perf_counter()
+            with autocast():
+                out, diag = model.run_stage(micro_batches[i], ctx, view.input, s.lo, s.hi, s.last)
+            for name, value in diag.items():
+                share = value.detach().float() * weights[i]
+                sums[name] = sums[name] + share if name in sums else share
+            t_fwd[0] += time.perf_counter() - t0
+            if not s.last:
+                return out.to(view.config.pipeline_dtype), None
+
+            def loss_func(loss):
+                nonlocal loss_sum
+                loss_sum = loss_sum + loss.detach().float() * weights[i]
+                return loss * weights[i], torch.ones((), dtype=torch.int), {}
+
+            return out, loss_func
+
+        with cpu_shim.scoped():  # the schedule makes a device="cuda" tensor (a no-op with a GPU)
+            forward_backward_pipelining_without_interleaving(
+                forward_step_func=step, data_iterator=iter(range(n)), model=view, num_microbatches=n,
+                seq_length=1, micro_batch_size=1, forward_only=forward_only)
+        return self._reduce_over_stages(loss_sum, sums), t_fwd[0]
+
+    def _reduce_over_stages(self, loss_sum: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
+        """The loss (last stage) and each stage's diagnostics, summed over the pipeline group."""
+        lay = layout()
+        names = [None] * lay.pp
+        collective("all_gather_object(diagnostic names)", dist.all_gather_object, names, sorted(sums),
+                   group=lay.pp_group)
+        every = sorted({n for stage in names for n in stage})
+        flat = torch.stack([loss_sum, *(sums.get(n, torch.zeros(())) for n in every)]).float()
+        collective("all_reduce(loss and diagnostics over stages)", dist.all_reduce, flat, group=lay.pp_group)
+        return flat[0], {n: flat[1 + k] for k, n in enumerate(every)}
+
+    # the training step (parallel/engine.py's contract)
+    def forward_backward(self, micro_batches: list, weights: torch.Tensor, ctx, autocast=nullcontext):
+        t0 = time.perf_counter()
+        (loss_sum, diagnostics), t_fwd = self.run(micro_batches, weights, ctx, autocast)
+        return loss_sum, diagnostics, t_fwd, time.perf_counter() - t0 - t_fwd
+
+    def finish_grads(self, max_norm: float) -> torch.Tensor | None:
+        lay = layout()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if lay.dp > 1:  # the weights carry a factor dp (see the trainer): the mean is the step's gradient
+            _all_reduce_flat([p.grad for p in params], lay.dp_group, "data-parallel grads", scale=1.0 / lay.dp)
+        if self.sp_params:
+            from parallel.grads import all_reduce_tp_grads
+
+            all_reduce_tp_grads([p.grad for p in self.sp_params if p.grad is not None])
+        tied = [p.grad for p in self.tied if p.grad is not None]
+        if tied:
+            _all_reduce_flat(tied, lay.embedding_group, "tied weights' grads over the first and last stage")
+        counted = [p for p in params if not (lay.last_stage and getattr(p, TIED, False))]  # the tied copy once
+        sq = torch.zeros(2, dtype=torch.float32)
+        for k, grads in enumerate(([p.grad for p in counted if is_tensor_parallel(p)],
+                                   [p.grad for p in counted if not is_tensor_parallel(p)])):
+            if grads:
+                sq[k] = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        if lay.tp > 1:
+            collective("all_reduce(grad norm over tp)", dist.all_reduce, sq[:1], group=lay.tp_group)
+        total = sq.sum().reshape(1)
+        collective("all_reduce(grad norm over stages)", dist.all_reduce, total, group=lay.pp_group)
+        norm = total[0].sqrt()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        elif not params:
+            return clip_grad_norm([], 0)
+        return norm
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group, what: str, scale: float = 1.0) -> None:
+    """Sum (then scale) gradients over `group`, one flat buffer per dtype."""
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        collective(f"all_reduce({what})", dist.all_reduce, flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+class PipelineForward(nn.Module):
+    """The stage as evaluation calls a model: model(batch, ctx) -> (loss, diagnostics), run through the
+    pipeline forward-only (every rank returns the same figures); train()/eval() reach the stage."""
+
+    def __init__(self, engine: PipelineEngine):
+        super().__init__()
+        self.stage_model = engine.model
+        self._engine = [engine]  # not a submodule
+
+    def forward(self, batch, ctx):
+        with torch.no_grad():
+            (loss, diagnostics), _ = self._engine[0].run([batch], None, ctx, forward_only=True)
+        return loss, diagnostics
