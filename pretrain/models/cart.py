@@ -32,11 +32,13 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.attention import causal
 from parallel.layers import ColumnLinear, ReplicatedLinear, replicated_parameter
+from parallel.pipeline import NotOnThisStage, balanced_split
 from parallel.recompute import Recompute, apply_recompute
 from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp
-from pretrain.models.decoder import Decoder, DecoderConfig, KVCache, tp_dims
-from pretrain.models.registry import ArchSpec, DecodeRelation, register
+from pretrain.models import decoder
+from pretrain.models.decoder import Decoder, DecoderConfig, KVCache, drop_outside, tp_dims
+from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 
 HEAD_DIM = 64
 
@@ -218,12 +220,42 @@ class CART(Decoder):
 
     def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
         """Mean next-token loss over the batch's loss_mask, and the gate's diagnostics."""
+        return self.run_stage(batch, ctx, None, 0, self.pipeline_units(), last=True)
+
+    # -- pipeline stages: the prelude's layers, the core (all R passes in one stage), the coda --------
+    def pipeline_units(self) -> int:
+        return self.cfg.n_layers + (0 if self.cfg.dense else 2)
+
+    def run_stage(self, batch, ctx, h: Tensor | None, lo: int, hi: int, last: bool) -> tuple[Tensor, dict]:
         if self.cfg.dense:
-            return super().forward(batch, ctx)
-        R = self.cfg.draw_loops(ctx)
-        doc_ids = batch.doc_ids if self.cfg.document_mask else None
-        h = self.norm(self.body(batch.tokens, batch.positions, self.mask(doc_ids), n_loops=R))
-        return self.head.loss(h, batch.labels, batch.loss_mask), self.diagnostics(R)
+            return super().run_stage(batch, ctx, h, lo, hi, last)
+        P, R = self.cfg.n_layers, self.cfg.draw_loops(ctx)  # R from the step's context: the same on every stage
+        tokens, a = self.stage_inputs(batch)
+        if h is None:
+            h = self.embed(tokens)
+        diagnostics = {}
+        for unit in range(lo, hi):
+            if unit < P:
+                h = self.prelude[unit](h, a.at(unit))
+            elif unit == P:
+                h, diagnostics = self.loops(h, a, None, 0, R), self.diagnostics(R)
+            else:
+                h = self.coda(h, a.at(P))
+        if last:
+            return self.head.loss(self.norm(h), batch.labels, batch.loss_mask), diagnostics
+        return h, diagnostics
+
+    def keep_stage(self, lo: int, hi: int, first: bool, last: bool) -> None:
+        P = self.cfg.n_layers
+        drop_outside(self.prelude, lo, hi)
+        if not self.cfg.dense:
+            if not lo <= P < hi:  # the core unit: its block(s), the anchor projection, the blend and the gate
+                for name in ("kv_proj", "core", "lie", "hyper", "a"):
+                    if hasattr(self, name):
+                        setattr(self, name, None)
+            if not lo <= P + 1 < hi:
+                self.coda = NotOnThisStage()
+        self.drop_ends(first, last)
 
     def loops(self, e: Tensor, a: Attend, cache: KVCache | None, offset: int, n_loops: int | None = None,
               states: list | None = None) -> Tensor:
@@ -368,11 +400,24 @@ def _recompute_all(model: CART) -> None:
 
 
 def _block_units(model: CART) -> list[nn.Module]:
-    """Every block: the prelude's, each core pass's block and the coda."""
+    """Every block: the prelude's, each core pass's block and the coda (those of this pipeline stage)."""
     if model.cfg.dense:
         return list(model.prelude)
-    core = list(model.core) if model.cfg.unshare_core else [model.core]
+    core = [] if model.core is None else list(model.core) if model.cfg.unshare_core else [model.core]
     return [*model.prelude, *core, model.coda]
+
+
+def pipeline_split(cfg: CARTConfig, pp: int) -> list[int]:
+    """Stages over the units (prelude layers, the core with its R passes, the coda) of the smallest
+    largest cost: a layer costs 1, the core its expected number of passes; the Dense baseline's layers
+    split as a decoder's."""
+    if cfg.dense:
+        return decoder.pipeline_split(cfg, pp)
+    P = cfg.n_layers
+    if P + 2 < pp:
+        raise ValueError(f"CART has {P + 2} pipeline units at model.n_layers={P} (the prelude's layers, the core, "
+                         f"the coda): too few for parallel.pp={pp} stages")
+    return balanced_split([1.0] * P + [cfg.expected_loops(), 1.0], pp)
 
 
 SPEC = register(ArchSpec(
@@ -386,6 +431,8 @@ SPEC = register(ArchSpec(
     progress=("rho", "loops"),
     decode=DecodeRelation("exact"),
     tp_dims=tp_dims,
+    supports=Support(pp=True),
+    pipeline_split=pipeline_split,
     recompute_units={"pass": Recompute(configure=_recompute_all), "loop": Recompute(configure=_recompute_loop),
                      "block": _block_units},
 ))

@@ -232,13 +232,6 @@ class Decoder(nn.Module):
         if not last:
             self.norm = self.head = None
 
-
-def drop_outside(blocks: nn.ModuleList, lo: int, hi: int, offset: int = 0) -> None:
-    """Replace the blocks of units outside [lo, hi) (block i is unit offset + i) by placeholders."""
-    for i in range(len(blocks)):
-        if not lo <= offset + i < hi:
-            blocks[i] = NotOnThisStage()
-
     def logits(self, tokens: Tensor) -> Tensor:
         """Full-sequence logits [B, T, V] (float32) of tokens [B, T], each row one document from position 0."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
@@ -256,6 +249,13 @@ def drop_outside(blocks: nn.ModuleList, lo: int, hi: int, offset: int = 0) -> No
             raise ValueError(f"generation would exceed model.max_seq_len {state.max_len}")
         positions = torch.arange(state.length, state.length + n, device=tokens.device).expand(tokens.shape[0], n)
         return self.head.logits(self.hidden(tokens, positions, None, state)), state
+
+
+def drop_outside(blocks: nn.ModuleList, lo: int, hi: int, offset: int = 0) -> None:
+    """Replace the blocks of units outside [lo, hi) (block i is unit offset + i) by placeholders."""
+    for i in range(len(blocks)):
+        if not lo <= offset + i < hi:
+            blocks[i] = NotOnThisStage()
 
 
 def pipeline_split(cfg, pp: int) -> list[int]:
