@@ -39,7 +39,7 @@ from parallel.layers import is_tensor_parallel, sequence_parallel_params
 from parallel.mesh import layout
 from parallel.state import LocalState
 
-TIED = "_pipeline_tied"  # attribute of a parameter a model ties across the first and last stages
+TIED = "_pipeline_tied"  # attribute of a parameter tied across the first and last stages: its canonical name
 
 
 class NotOnThisStage(nn.Module):
@@ -49,9 +49,11 @@ class NotOnThisStage(nn.Module):
         raise RuntimeError("this module runs on another pipeline stage")
 
 
-def mark_tied(p: nn.Parameter) -> None:
-    """Mark a parameter that the first and the last stage each hold a copy of (their grads are summed)."""
-    setattr(p, TIED, True)
+def mark_tied(p: nn.Parameter, canonical: str) -> None:
+    """Mark a parameter that the first and the last stage each hold a copy of (their grads are summed);
+    `canonical` is its name in the single-device model's optimizer state (a shared parameter's first
+    name, e.g. the embedding's), under which both stages save and load its optimizer state."""
+    setattr(p, TIED, canonical)
 
 
 @dataclass(frozen=True)
@@ -122,34 +124,49 @@ class _ScheduleView(nn.Module):
 
 class PipelineState:
     """A stage's checkpoint view: its tensors under their single-device names (the other stages hold
-    the rest), and the optimizer's param_groups listing every stage's names (merged on save, this
-    stage's kept on load), so a checkpoint is the single-device one."""
+    the rest), the optimizer's param_groups listing every stage's names (merged on save, this stage's
+    kept on load), and a tied copy's optimizer state under the single-device (canonical) name, so a
+    checkpoint is the single-device one."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, model: nn.Module):
         self.inner, self.has_optimizer = inner, inner.has_optimizer
+        self.to_canonical = {n: getattr(p, TIED) for n, p in model.named_parameters()
+                             if getattr(p, TIED, None) not in (None, n)}
+        self.from_canonical = {c: n for n, c in self.to_canonical.items()}
 
     def get_state(self):
         model_sd, optim_sd = self.inner.get_state()
         if optim_sd is not None:
+            canon = lambda n: self.to_canonical.get(n, n)  # noqa: E731
+            stage_groups = [[canon(n) for n in g["params"]] for g in optim_sd["param_groups"]]
             everyone = [None] * layout().pp
-            collective("all_gather_object(param_groups)", dist.all_gather_object, everyone,
-                       [g["params"] for g in optim_sd["param_groups"]], group=layout().pp_group)
-            groups = [dict(g, params=[n for stage in everyone for n in stage[i]])
+            collective("all_gather_object(param_groups)", dist.all_gather_object, everyone, stage_groups,
+                       group=layout().pp_group)
+            groups = [dict(g, params=list(dict.fromkeys(n for stage in everyone for n in stage[i])))
                       for i, g in enumerate(optim_sd["param_groups"])]
-            optim_sd = {**optim_sd, "param_groups": groups}
+            optim_sd = {"state": {canon(k): v for k, v in optim_sd["state"].items()}, "param_groups": groups}
         return model_sd, optim_sd
 
     def model_template(self):
         return self.inner.model_template()
 
     def optim_template(self):
-        return self.inner.optim_template()
+        return {self.to_canonical.get(k, k): v for k, v in self.inner.optim_template().items()}
 
     def set_state(self, model_sd, optim_state, groups):
         if groups is not None:
-            mine = set(self.inner.model_template())
-            groups = [dict(g, params=[n for n in g["params"] if n in mine]) for g in groups]
+            mine = {self.to_canonical.get(n, n) for n in self.inner.model_template()}
+            groups = [dict(g, params=[self.from_canonical.get(n, n) for n in g["params"] if n in mine])
+                      for g in groups]
+        if optim_state:
+            optim_state = {self.from_canonical.get(k, k): v for k, v in optim_state.items()}
         self.inner.set_state(model_sd, optim_state, groups)
+
+
+def _gather_union(keys: set, what: str) -> set:
+    everyone = [None] * layout().pp
+    collective(f"all_gather_object({what})", dist.all_gather_object, everyone, sorted(keys), group=layout().pp_group)
+    return {k for stage in everyone for k in stage}
 
 
 class PipelineEngine(Engine):
@@ -165,12 +182,16 @@ class PipelineEngine(Engine):
         self.sp_params = sequence_parallel_params(model)
         self.tied = [p for p in model.parameters() if getattr(p, TIED, False)]
         self.view = _ScheduleView(_schedule_config(lay.pp, next(model.parameters()).dtype))
-        self.state = FullState(PipelineState(LocalState(model, optimizer)), model)
+        self.state = FullState(PipelineState(LocalState(model, optimizer), model), model)
         self._forward_only = PipelineForward(self)
 
     @property
     def inference_model(self) -> nn.Module:
         return self._forward_only
+
+    def keys_of_every_stage(self, keys: set) -> set:
+        """The checkpoint keys all stages ask for (a checkpoint's extras are those none asks for)."""
+        return _gather_union(keys, "checkpoint keys of every stage")
 
     def describe(self) -> str:
         lay, s = layout(), self.stage

@@ -527,7 +527,7 @@ def _state_to_load(path: str, saved: dict, target, restore_rng: bool) -> tuple[d
         target.template = {k.removeprefix("model."): torch.empty(e.size, dtype=e.properties.dtype)
                            for k, e in saved.items() if k.startswith("model.") and isinstance(e, TensorStorageMetadata)}
     state = {"model": target.model_template()}
-    _check(path, saved, state)  # before the optimizer's lazy state gets created below
+    _check(path, saved, state, _held(target, state))  # before the optimizer's lazy state gets created below
     groups = None
     if target.has_optimizer:
         groups = _read_param_groups(path)
@@ -537,8 +537,15 @@ def _state_to_load(path: str, saved: dict, target, restore_rng: bool) -> tuple[d
         if "rng.torch_cpu" not in saved:
             raise CheckpointError(f"checkpoint {path} holds no RNG state")
         state["rng"] = {k: v for k, v in _rng_state(target).items() if f"rng.{k}" in saved}  # CUDA only if saved
-    _check(path, saved, state)
+    _check(path, saved, state, _held(target, state))
     return state, groups
+
+
+def _held(target, state: dict) -> set[str]:
+    """The keys every rank's `state` asks for: a pipeline stage's view gathers its stages' (each holds
+    part of the model), so that only a key no stage asks for is an extra."""
+    mine = {k for k, _ in _flatten(state)}
+    return target.keys_of_every_stage(mine) if hasattr(target, "keys_of_every_stage") else mine
 
 
 def _read_param_groups(path: str) -> list:
@@ -579,8 +586,9 @@ def _step_of(path: str) -> int:
     return int(_STEP_DIR.fullmatch(os.path.basename(path)).group(1))
 
 
-def _check(path: str, saved: dict, state: dict) -> None:
-    """Every tensor `state` asks for is saved with its shape; the model/optim sections have no extras."""
+def _check(path: str, saved: dict, state: dict, held: set[str]) -> None:
+    """Every tensor `state` asks for is saved with its shape; the model/optim sections have no extras
+    (keys that no rank's state, `held`, asks for)."""
     wanted = dict(_flatten(state))
     for key, tensor in wanted.items():
         if not isinstance(entry := saved.get(key), TensorStorageMetadata):
@@ -589,7 +597,7 @@ def _check(path: str, saved: dict, state: dict) -> None:
         if tuple(entry.size) != tuple(tensor.size()):
             raise CheckpointError(f"checkpoint {path} has {key} of shape {tuple(entry.size)}, "
                                   f"the model has {tuple(tensor.size())} (a different model size?)")
-    extra = sorted(k for k in saved if k.startswith(tuple(f"{s}." for s in state if s != "rng")) and k not in wanted)
+    extra = sorted(k for k in saved if k.startswith(tuple(f"{s}." for s in state if s != "rng")) and k not in held)
     if extra:
         raise CheckpointError(f"checkpoint {path} has {extra[0]} (and {len(extra) - 1} more keys) "
                               "that the model lacks (saved from a different model?)")

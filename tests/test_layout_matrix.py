@@ -29,6 +29,8 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sp=true"]),
     "tp2xdp2": (4, ["parallel.tp=2", "parallel.data_parallel=megatron"]),
     "pp2": (2, ["parallel.pp=2"]),
+    "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
+    "pp2xdp2": (4, ["parallel.pp=2"]),
 }
 CI_SUBSET = ("tp2", "zero3", "pp2")
 BASE = ["train.compile=false"]

@@ -226,7 +226,7 @@ class Decoder(nn.Module):
     def drop_ends(self, first: bool, last: bool) -> None:
         """The embedding off the first stage, the final norm and head off the last; a tied weight marked."""
         if self.cfg.tie_embeddings:
-            mark_tied((self.embed if first else self.head).weight)
+            mark_tied((self.embed if first else self.head).weight, "embed.weight")
         if not first:
             self.embed = None
         if not last:
