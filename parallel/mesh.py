@@ -105,7 +105,9 @@ def setup_layout(parallel) -> Layout:
         ps.destroy_model_parallel()  # another layout in the same process (tests)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
-                                     distributed_timeout_minutes=max(1, int(parallel.timeout_s // 60)))
+                                     distributed_timeout_minutes=max(1, int(parallel.timeout_s // 60)),
+                                     # torch's fake process group (pretrain plan --dry-run) makes no gloo groups
+                                     create_gloo_process_groups=dist.get_backend() != "fake")
     tp_group = ps.get_tensor_model_parallel_group()
     pp = parallel.pp
     _LAYOUT = Layout(tp=parallel.tp, dp=ps.get_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
@@ -114,7 +116,7 @@ def setup_layout(parallel) -> Layout:
                      dp_group=ps.get_data_parallel_group(), pp=pp,
                      pp_rank=ps.get_pipeline_model_parallel_rank() if pp > 1 else 0,
                      pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
-                     embedding_group=ps.get_embedding_group() if pp > 1 else None)
+                     embedding_group=ps.get_embedding_group(check_initialized=False) if pp > 1 else None)
     return _LAYOUT
 
 

@@ -24,6 +24,21 @@ the token embedding and an untied output head count as embedding.
 flops_per_token is training FLOPs per token at data.seq_len T from the architecture's own formula
 (printed with it; for an architecture whose work is drawn per step, the expected value)."""
 
+_PLAN_HELP = """examples:
+  pretrain plan sps/l --dry-run --layout tp=4,pp=2,dp=8
+  pretrain plan sps/xl train.micro_batch_seqs=2 --dry-run --layout pp=4,dp=16
+
+Each pipeline stage is built as one of its ranks would build it (tensor-parallel shards, the stage's
+units), on the meta device and torch's fake process group, and one micro batch's forward and backward
+run on meta tensors: a layout whose shapes do not fit fails here, in seconds, not on the cluster.
+Bytes per rank (fp32 parameters, AdamW), by parallel.data_parallel:
+  ddp / megatron:           weights 4n, gradients 4n, optimizer 8n + 4k   (k tensors: AdamW's step)
+  megatron distributed opt: weights 4n, gradients 4n, optimizer 8n/dp
+  ZeRO-1 / 2 / 3:           optimizer 12n/dp; ZeRO-2 also gradients 4n/dp; ZeRO-3 also weights 4n/dp
+with n the rank's parameters (1/tp of a split matrix, its stage's units). Activations: the
+architecture's activation_bytes estimate (per micro batch at recompute parallel.recompute) x the share
+of the units on the stage / tp x the micro batches 1F1B keeps in flight on it (pp - stage)."""
+
 _RUN_PATHS = """A run's paths are stored absolute; one that no longer exists is looked up at the same place
 relative to the run directory (a run moved together with its data works), and the tokenizer falls
 back to the run's own copy. A corrupt checkpoint (a file failing its checksum) is named; with a run
@@ -185,6 +200,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=("step", "tokens"), default="step",
                    help="the x axis: optimizer steps or tokens seen (default step)")
 
+    pl = verb("plan", "check a large parallel layout without its GPUs: build every pipeline stage on the meta "
+              "device and report what each rank holds", _PLAN_HELP)
+    pl.add_argument("config", help="a YAML file, a shipped config's short name (e.g. sps/l) or a run directory")
+    pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_seqs=2")
+    pl.add_argument("--dry-run", action="store_true", help="build and shape-check the layout given by --layout on "
+                    "torch's fake process group (no GPU, no memory)")
+    pl.add_argument("--layout", default="", metavar="tp=T,pp=P,dp=D", help="the layout to dry-run, each size >= 1 "
+                    "(sizes left out are 1), e.g. tp=4,pp=2,dp=8 for 64 GPUs")
+    pl.add_argument("--json", action="store_true", help="print one JSON object per stage, a line each")
+
     i = verb("info", "parameter counts and FLOPs per token of a config, without allocating it", _INFO_HELP)
     i.add_argument("config", nargs="?", default="", help="a YAML file, a shipped config's short name (e.g. "
                    "gpn/tiny) or a run directory")
@@ -223,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     """The verb's handler, its expected failures turned into one line and an exit code."""
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info,
-                "export": _export, "import": _import}
+                "export": _export, "import": _import, "plan": _plan}
     try:
         return handlers[args.verb](args)
     except StopRequested as e:  # Ctrl-C: 130 as for any interrupted program; a scheduler's signal: requeue
@@ -288,6 +313,19 @@ def _info(args) -> int:
             named = [n + (" (the model's own)" if p.kind == "configure" else "") for n, p in policies.items()]
             print(f"activation recompute (parallel.recompute): none, {', '.join(named)}")
         print(f"FLOPs per token = {spec.flops_formula}")
+    return 0
+
+
+def _plan(args) -> int:
+    if not args.dry_run or not args.layout:
+        raise ValueError("pretrain plan needs --dry-run --layout tp=T,pp=P,dp=D (the planner that proposes a layout "
+                         "for --gpus is not written yet)")
+    from pretrain.config import load_config
+    from pretrain.plan import parse_layout, run_dry
+
+    parse_layout(args.layout)  # checked before the config is read
+    cfg = load_config(args.config, args.overrides, check_data=False)
+    print("\n".join(run_dry(cfg, args.layout, as_json=args.json)))
     return 0
 
 

@@ -31,6 +31,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2": (2, ["parallel.pp=2"]),
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "pp2xdp2": (4, ["parallel.pp=2"]),
+    "pp4": (4, ["parallel.pp=4"]),  # middle stages: neither embedding nor head
 }
 CI_SUBSET = ("tp2", "zero3", "pp2")
 BASE = ["train.compile=false"]
