@@ -1,0 +1,85 @@
+"""The dry run and the planner's formulas (pretrain/plan.py, parallel/plan.py): a large layout is built
+and shape-checked on the meta device in seconds, and the weight, gradient and optimizer-state bytes the
+planner gives each rank equal what a real run's ranks hold, on one process, PP2 and TP2."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distributed import run_ranks
+from trainer_helpers import tiny_overrides, write_markov_corpus
+
+pytest.importorskip("megatron.core", reason="the dry run sets up megatron-core's parallel state")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _plan(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pretrain.cli", "plan", *args], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, timeout=300)
+
+
+def test_sps_l_on_64_gpus_is_dry_run_in_seconds():
+    t0 = time.perf_counter()
+    r = _plan("sps/l", "--dry-run", "--layout", "tp=4,pp=2,dp=8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert time.perf_counter() - t0 < 60
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("dry run of sps on 64 ranks = tp 4 x pp 2 x dp 8")
+    stages = [ln.split() for ln in lines[2:4]]
+    assert [s[0] for s in stages] == ["0", "1"] and stages[0][1] == "0-31" and stages[1][1] == "32-63"
+    assert "[3, 8192, 1280]" in lines[2] and lines[3].endswith("the loss")  # SPS's doubled sequence goes on
+
+
+def test_a_layout_that_does_not_fit_is_one_sentence():
+    r = _plan("sps/xl", "--dry-run", "--layout", "tp=2,pp=2,dp=16")
+    assert r.returncode == 2 and r.stderr.strip() == "pretrain plan: error: parallel.tp=2 does not divide model.n_heads = 25"
+    r = _plan("sps/xl", "--dry-run", "--layout", "tp=four")
+    assert r.returncode == 2 and "give tp=N,pp=N,dp=N with positive integers" in r.stderr
+
+
+def _held(rank, world, tmp, corpus, extra):
+    """The bytes this rank's engine holds: weights, the gradients of one step, the optimizer's state."""
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+
+    over = tiny_overrides(tmp, corpus, **{"train.run_dir": f"{tmp}/run", "train.max_steps": 1,
+                                          "checkpoint.every": 0, "train.eval_every": 0, "train.compile": "false",
+                                          "schedule.warmup_steps": 0})
+    trainer = Trainer(load_config("baseline/tiny", over + extra), log=lambda *_: None)
+    grads = []
+    zero_grad = trainer.engine.zero_grad
+
+    def measure_then_zero():
+        grads.append(sum(p.grad.numel() * p.grad.element_size() for p in trainer.engine.model.parameters()
+                         if p.grad is not None))
+        zero_grad()
+
+    trainer.engine.zero_grad = measure_then_zero
+    trainer.save = lambda: None
+    trainer.fit()
+    params = {id(p): p for p in trainer.engine.model.parameters()}.values()
+    state = [t for s in trainer.engine.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return {"weights": sum(p.numel() * p.element_size() for p in params), "gradients": grads[0],
+            "optimizer": sum(t.numel() * t.element_size() for t in state)}
+
+
+@pytest.mark.parametrize("layout, ranks, extra", [
+    ("tp=1", 1, []), ("pp=2", 2, ["parallel.pp=2"]), ("tp=2", 2, ["parallel.tp=2"]),
+    ("pp=2,dp=2", 4, ["parallel.pp=2"]),
+])
+def test_the_planners_state_bytes_equal_what_each_rank_holds(layout, ranks, extra, tmp_path):
+    corpus = write_markov_corpus(tmp_path / "markov")
+    over = tiny_overrides(tmp_path, corpus)
+    r = _plan("baseline/tiny", *over, *extra, "--dry-run", "--layout", layout, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    planned = [json.loads(line) for line in r.stdout.splitlines()]
+    held = run_ranks(_held, ranks, args=(str(tmp_path), corpus, extra), timeout=300, env={"DS_ACCELERATOR": "cpu"})
+    for rank, got in enumerate(held):
+        stage = planned[rank // (ranks // len(planned))]  # stages are the slowest rank dimension
+        assert got == {k: stage[k] for k in ("weights", "gradients", "optimizer")}, (rank, got, stage)
