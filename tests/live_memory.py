@@ -1,0 +1,39 @@
+"""The peak of live tensor memory over a piece of code, on any device (the CPU has no allocator
+statistics): every storage an op creates is counted from its creation until Python frees it
+(storages keep their Python object, so a weak reference to it sees the free).
+
+    with LiveBytes() as live:
+        loss.backward()
+    live.peak   # bytes above what was alive before, at the worst moment
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveBytes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self._refs and storage.nbytes():
+                    size = storage.nbytes()
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key, size=size: self._free(key, size))
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live -= size
