@@ -83,3 +83,39 @@ def test_the_planners_state_bytes_equal_what_each_rank_holds(layout, ranks, extr
     for rank, got in enumerate(held):
         stage = planned[rank // (ranks // len(planned))]  # stages are the slowest rank dimension
         assert got == {k: stage[k] for k in ("weights", "gradients", "optimizer")}, (rank, got, stage)
+
+
+def _measured_peak(arch: str, policy: str, overrides: list[str]) -> tuple[int, int]:
+    """(LiveBytes peak of one micro batch's forward and backward, the registry's estimate)."""
+    import torch
+
+    from live_memory import LiveBytes
+    from pretrain.config import load_config
+    from pretrain.data.batch import Batch
+    from pretrain.models import get_arch
+    from pretrain.models.base import StepContext
+
+    cfg = load_config(f"{arch}/tiny", overrides, check_data=False)
+    spec = get_arch(arch)
+    torch.manual_seed(0)
+    model = spec.build(cfg.model).train()
+    if policy != "none":
+        spec.recompute_policies()[policy].apply(model)
+    B, T = cfg.train.micro_batch_seqs, cfg.data.seq_len
+    tokens = torch.randint(5, cfg.model.vocab_size, (B, T))
+    batch = Batch(tokens, torch.roll(tokens, -1, 1), torch.ones(B, T, dtype=torch.bool),
+                  torch.zeros(B, T, dtype=torch.int32), torch.arange(T).expand(B, T))
+    for p in model.parameters():  # gradients exist before: the backward only adds into them
+        p.grad = torch.zeros_like(p)
+    ctx = StepContext.for_step(0, 0)
+    model(batch, ctx)[0].backward()  # lazily built tables (RoPE, masks) are not activations
+    with LiveBytes() as live:
+        model(batch, ctx)[0].backward()
+    return live.peak, spec.activation_bytes(cfg.model, T, B, policy)
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("overrides", [[], ["model.n_layers=2", "model.ffn_hidden=1024", "data.seq_len=128"]])
+def test_the_activation_estimate_is_within_15_percent_of_the_measured_peak(policy, overrides):
+    measured, estimate = _measured_peak("baseline", policy, overrides)
+    assert abs(estimate / measured - 1) < 0.15, (estimate, measured)

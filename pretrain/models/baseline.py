@@ -63,6 +63,7 @@ SPEC = register(ArchSpec(
     flops_formula=FLOPS_FORMULA,
     supports=Support(pp=True),
     pipeline_split=decoder.pipeline_split,
+    activation_bytes=decoder.activation_bytes,
     tp_dims=decoder.tp_dims,
     recompute_units=lambda model: list(model.blocks),
     hf=LLAMA,  # transformers' LlamaForCausalLM (pretrain export --format hf, pretrain import)

@@ -266,6 +266,27 @@ def pipeline_split(cfg, pp: int) -> list[int]:
     return [i * L // pp for i in range(pp + 1)]
 
 
+def activation_bytes(cfg, seq_len: int, batch: int, recompute: str = "none") -> int:
+    """Peak bytes of one micro batch's activations over its forward and backward, fp32, for a decoder
+    whose blocks are the shared pre-norm attention + SwiGLU blocks applied once each (the baseline's;
+    its registry `activation_bytes`, read by the planner). In columns of N = batch x seq_len fp32
+    numbers, fitted to what tests/test_plan.py measures (each coefficient a sum of saved tensors):
+      a block keeps 12.25 d + 4.2 f (its two norms' inputs and outputs, q, k, v and the rotated q and k,
+        the attention output, the SwiGLU's gate, up, activation and product; flash-style attention
+        keeps no T x T scores), or its input alone (1.8 d) under recompute;
+      the embedding, final norm and head keep V + 4.25 d (the fp32 logits);
+      the backward adds 2 V at the loss (the logits' gradient and softmax) or, under recompute,
+        one block recomputed (12.25 d + 4.2 f + 2 d) when that is larger.
+    model.loss_chunk is not modelled (it removes most of the V terms). Measured with the gradients
+    already allocated, a backward also holds up to one parameter-sized set of gradient temporaries
+    (4 bytes per parameter, visible at small micro batches): the planner's gradient line covers it."""
+    d, f, V, L = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers
+    block = 12.25 * d + 4.2 * f
+    kept = block if recompute == "none" else 1.8 * d
+    transient = 2 * V if recompute == "none" else max(2 * V, block + 2 * d)
+    return int(4 * batch * seq_len * (V + 4.25 * d + L * kept + transient))
+
+
 def tp_dims(cfg) -> dict[str, int]:
     """The dimensions tensor parallelism splits in a decoder-shaped config (its registry `tp_dims`):
     query and key/value heads, the FFN width and the vocabulary."""
