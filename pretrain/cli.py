@@ -208,7 +208,12 @@ def _parser() -> argparse.ArgumentParser:
                     "torch's fake process group (no GPU, no memory)")
     pl.add_argument("--layout", default="", metavar="tp=T,pp=P,dp=D", help="the layout to dry-run, each size >= 1 "
                     "(sizes left out are 1), e.g. tp=4,pp=2,dp=8 for 64 GPUs")
-    pl.add_argument("--json", action="store_true", help="print one JSON object per stage, a line each")
+    pl.add_argument("--json", action="store_true", help="print one JSON object per stage, a line each (--dry-run)")
+    pl.add_argument("--gpus", type=int, default=0, help="plan for this many GPUs (>= 1): every layout the config "
+                    "allows, its memory per GPU and predicted step time, and the fastest that fits")
+    pl.add_argument("--gpu", choices=("a100", "h100", "h200"), default="h100", help="the GPU (default h100)")
+    pl.add_argument("--gpu-memory", type=float, default=0.0, metavar="GIB",
+                    help="memory per GPU in GiB, > 0 (default: the GPU's: 80, 80, 141)")
 
     i = verb("info", "parameter counts and FLOPs per token of a config, without allocating it", _INFO_HELP)
     i.add_argument("config", nargs="?", default="", help="a YAML file, a shipped config's short name (e.g. "
@@ -317,15 +322,20 @@ def _info(args) -> int:
 
 
 def _plan(args) -> int:
-    if not args.dry_run or not args.layout:
-        raise ValueError("pretrain plan needs --dry-run --layout tp=T,pp=P,dp=D (the planner that proposes a layout "
-                         "for --gpus is not written yet)")
+    if args.dry_run == bool(args.gpus):
+        raise ValueError("pretrain plan needs either --gpus N (the planner) or --dry-run --layout tp=T,pp=P,dp=D")
+    if args.gpus < 0 or args.gpu_memory < 0:
+        raise ValueError(f"--gpus and --gpu-memory must be positive, got {args.gpus} and {args.gpu_memory:g}")
     from pretrain.config import load_config
-    from pretrain.plan import parse_layout, run_dry
+    from pretrain.plan import parse_layout, plan_lines, run_dry
 
-    parse_layout(args.layout)  # checked before the config is read
+    if args.dry_run:
+        parse_layout(args.layout)  # checked before the config is read
     cfg = load_config(args.config, args.overrides, check_data=False)
-    print("\n".join(run_dry(cfg, args.layout, as_json=args.json)))
+    if args.dry_run:
+        print("\n".join(run_dry(cfg, args.layout, as_json=args.json)))
+    else:
+        print("\n".join(plan_lines(cfg, args.gpus, args.gpu, args.gpu_memory or None)))
     return 0
 
 

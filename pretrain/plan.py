@@ -26,6 +26,7 @@ class StageReport:
     output: tuple  # what the stage sends on (the last: the loss's shape, ())
     activations: int | None  # bytes held at once, or None without an estimate
     state: Any = None  # parallel.plan.StateBytes: weights, gradients, optimizer state
+    act_fraction: float = 1.0  # the stage's share of the model's pipeline units
 
 
 def parse_layout(text: str) -> dict[str, int]:
@@ -57,8 +58,9 @@ def fake_rank(rank: int, world: int):
         dist.destroy_process_group()
 
 
-def dry_run(cfg, tp: int, pp: int, dp: int, log=print) -> list[StageReport]:
-    """Build and check every pipeline stage of `cfg` (a RunConfig) under tp x pp x dp ranks."""
+def dry_run(cfg, tp: int, pp: int, dp: int, shapes: bool = True) -> list[StageReport]:
+    """Build every pipeline stage of `cfg` (a RunConfig) under tp x pp x dp ranks and, with `shapes`,
+    run one micro batch's forward and backward on meta tensors through them."""
     import torch
 
     from parallel.mesh import setup_layout
@@ -87,12 +89,14 @@ def dry_run(cfg, tp: int, pp: int, dp: int, log=print) -> list[StageReport]:
                 if pp > 1:
                     stage = Stage.of(spec.pipeline_split(cfg.model, pp))
                     model.keep_stage(stage.lo, stage.hi, stage.first, stage.last)
-                tokens = torch.zeros(mb, T, dtype=torch.long)
-                batch = Batch(tokens, tokens, torch.ones(mb, T, dtype=torch.bool), torch.zeros(mb, T, dtype=torch.int32),
-                              torch.arange(T).expand(mb, T))
-                out, _ = model.run_stage(batch, StepContext.for_step(cfg.train.seed, 0), h, stage.lo, stage.hi,
-                                         stage.last)
-                (out if stage.last else out.float().sum()).backward()
+                out = torch.empty(())
+                if shapes:
+                    tokens = torch.zeros(mb, T, dtype=torch.long)
+                    batch = Batch(tokens, tokens, torch.ones(mb, T, dtype=torch.bool),
+                                  torch.zeros(mb, T, dtype=torch.int32), torch.arange(T).expand(mb, T))
+                    out, _ = model.run_stage(batch, StepContext.for_step(cfg.train.seed, 0), h, stage.lo, stage.hi,
+                                             stage.last)
+                    (out if stage.last else out.float().sum()).backward()
             params = {id(p): p for p in model.parameters()}
             n = sum(p.numel() for p in params.values())
             act = None
@@ -101,6 +105,7 @@ def dry_run(cfg, tp: int, pp: int, dp: int, log=print) -> list[StageReport]:
                 act = spec.activation_bytes(cfg.model, T, mb, cfg.parallel.recompute) * units // \
                     model.pipeline_units() * in_flight(pp, s, micro_batches) // max(1, lay.tp)
             reports.append(StageReport(s, (stage.lo, stage.hi), n, len(params), tuple(out.shape), act))
+            reports[-1].act_fraction = (stage.hi - stage.lo) / model.pipeline_units()
             h = None if stage.last else torch.empty(out.shape, device="meta")
             del model
     engine = engine_of(parallel)
@@ -145,3 +150,129 @@ def run_dry(cfg, layout_text: str, as_json: bool = False) -> list[str]:
                             "weights": r.state.weights, "gradients": r.state.gradients, "optimizer": r.state.optimizer,
                             "activations": r.activations, "output": list(r.output)}) for r in reports]
     return dry_run_lines(cfg, layout, time.perf_counter() - t0, reports)
+
+
+# -- the planner ---------------------------------------------------------------------------------
+RESERVE_GIB = 2.0  # CUDA context, communication buffers, allocator fragmentation
+
+
+@dataclass
+class Candidate:
+    tp: int
+    pp: int
+    dp: int
+    engine: str
+    recompute: str
+    micro_batches: int
+    memory: int  # bytes on the fullest rank
+    activations_known: bool
+    step: Any  # parallel.plan.StepEstimate
+    tokens_per_s_per_gpu: float
+    mfu: float
+    fits: bool = False
+    micro_batch: int = 0
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
+
+
+def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], dict]:
+    """Every layout of `gpus` GPUs this config validates under, with its memory and step time; and the
+    refusals met ({sentence: count})."""
+    from pretrain.models import get_arch
+    from pretrain.run_config import ConfigError
+
+    spec = get_arch(cfg.model.arch)
+    flops = spec.flops_per_token(cfg.model, cfg.data.seq_len, None)
+    policies = ["none", *spec.recompute_policies()]
+    engines = {"ddp": {}, "megatron-distopt": {"data_parallel": "megatron", "distributed_optimizer": True},
+               **{f"zero{z}": {"data_parallel": "deepspeed", "zero_stage": z} for z in (1, 2, 3)}}
+    out, refused, inventory = [], {}, {}
+    for tp in _divisors(gpus, hw.gpus_per_node):
+        for pp in _divisors(gpus // tp, 64):
+            dp = gpus // (tp * pp)
+            if cfg.train.global_batch_seqs % dp:
+                refused["train.global_batch_seqs does not split over the data-parallel ranks"] = \
+                    refused.get("train.global_batch_seqs does not split over the data-parallel ranks", 0) + 1
+                continue
+            for engine, fields in engines.items():
+                for policy in policies:
+                    parallel = replace(cfg.parallel, **{"tp": tp, "pp": pp, "recompute": policy, "data_parallel": "ddp",
+                                                        "distributed_optimizer": False, "zero_stage": 0, **fields})
+                    trial = replace(cfg, parallel=parallel, train=replace(cfg.train, compile=False))
+                    try:
+                        trial.validate(check_data=False)
+                    except (ConfigError, ValueError) as e:
+                        refused[str(e)] = refused.get(str(e), 0) + 1
+                        continue
+                    if (tp, pp) not in inventory:  # what each stage holds (the micro batch does not matter here)
+                        inventory[(tp, pp)] = dry_run(replace(trial, train=replace(trial.train, micro_batch_seqs=1)),
+                                                      tp, pp, dp, shapes=False)
+                    for mb in _divisors(cfg.train.global_batch_seqs // dp, 64):  # the micro batch is free too
+                        out.append(_candidate(cfg, spec, hw, memory_gib, inventory[(tp, pp)], parallel, dp, mb, flops,
+                                              gpus))
+    out.sort(key=lambda c: (not c.fits, -c.tokens_per_s_per_gpu))
+    return out, refused
+
+
+def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], parallel, dp: int, mb: int, flops: float,
+               gpus: int) -> Candidate:
+    """One layout with micro batch mb: the fullest rank's bytes and the step's estimate."""
+    from parallel.plan import engine_of, in_flight, state_bytes, step_time
+
+    T, tp, pp, policy = cfg.data.seq_len, parallel.tp, parallel.pp, parallel.recompute
+    M = cfg.train.global_batch_seqs // (mb * dp)
+    bf16 = cfg.train.precision in ("auto", "bf16")  # on GPUs: activations in bf16, the logits in fp32 (about half)
+    worst, known = 0, spec.activation_bytes is not None
+    for r in stages:
+        act = 0.0
+        if known:
+            act = spec.activation_bytes(cfg.model, T, mb, policy) * r.act_fraction / tp
+            act *= in_flight(pp, r.stage, M) * (0.5 if bf16 else 1.0)
+        worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
+    est = step_time(hw, flops_per_token=flops, tokens_per_step=cfg.tokens_per_step, gpus=gpus,
+                    d_model=cfg.model.d_model, layers=getattr(cfg.model, "n_layers", 1), tp=tp, pp=pp, dp=dp,
+                    micro_batches=M, micro_tokens=mb * T, params_per_rank=max(r.params for r in stages),
+                    recompute=policy != "none", engine=engine_of(parallel))
+    tps = cfg.tokens_per_step / est.total_s / gpus
+    c = Candidate(tp, pp, dp, engine_of(parallel), policy, M, worst, known, est, tps, flops * tps / (hw.peak_tflops * 1e12))
+    c.micro_batch = mb
+    c.fits = worst + RESERVE_GIB * 2**30 <= memory_gib * 2**30
+    return c
+
+
+def plan_lines(cfg, gpus: int, gpu: str, memory_gib: float | None, top: int = 12) -> list[str]:
+    from parallel.plan import HARDWARE
+    from pretrain.models import count_parameters, meta_model
+
+    hw = HARDWARE[gpu]
+    memory_gib = memory_gib or hw.memory_gib
+    t0 = time.perf_counter()
+    found, refused = candidates(cfg, gpus, hw, memory_gib)
+    n = count_parameters(meta_model(cfg.model))["total"]
+    lines = [f"plan for {cfg.model.arch} ({n:,} parameters) on {gpus} x {hw.name} ({memory_gib:g} GiB each, "
+             f"{-(-gpus // hw.gpus_per_node)} node(s)): T={cfg.data.seq_len}, micro batch {cfg.train.micro_batch_seqs}, "
+             f"{cfg.tokens_per_step:,} tokens per step; {len(found)} layouts in {time.perf_counter() - t0:.1f} s",
+             f"{'tp':>3} {'pp':>3} {'dp':>4} {'engine':>17} {'recompute':>9} {'mb':>3} {'M':>4} {'GiB/GPU':>8} {'fits':>4} "
+             f"{'tokens/s/GPU':>13} {'MFU':>6} {'step s':>7}  compute / bubble / tp / pp / dp comm s"]
+    for c in found[:top]:
+        s = c.step
+        gib = f"{c.memory / 2**30:.1f}" + ("" if c.activations_known else "+?")
+        lines.append(f"{c.tp:>3} {c.pp:>3} {c.dp:>4} {c.engine:>17} {c.recompute:>9} {c.micro_batch:>3} {c.micro_batches:>4} {gib:>8} "
+                     f"{'yes' if c.fits else 'no':>4} {c.tokens_per_s_per_gpu:>13,.0f} {c.mfu:>6.1%} {s.total_s:>7.2f}  "
+                     f"{s.compute_s:.2f} / {s.bubble_s:.2f} / {s.tp_comm_s:.2f} / {s.pp_comm_s:.2f} / {s.dp_comm_s:.2f}")
+    best = next((c for c in found if c.fits), None)
+    if best is None:
+        lines.append("no layout fits: raise the GPU count, lower train.micro_batch_seqs or turn on parallel.recompute")
+    else:
+        lines.append(f"proposed: parallel.tp={best.tp} parallel.pp={best.pp} train.micro_batch_seqs={best.micro_batch} "
+                     f"(dp {best.dp}) with {best.engine}, parallel.recompute={best.recompute}: "
+                     f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+                     f"MFU {best.mfu:.1%} (predicted)")
+    if not found or not found[0].activations_known:
+        lines.append(f"activations: model.arch {cfg.model.arch!r} has no activation_bytes estimate yet; memory shows "
+                     "weights, gradients and optimizer state only (+?)")
+    for sentence, count in sorted(refused.items(), key=lambda kv: -kv[1])[:3]:
+        lines.append(f"refused ({count}x): {sentence}")
+    return lines
