@@ -78,9 +78,9 @@ class Hardware:
 
 
 HARDWARE = {
-    "a100": Hardware("A100 SXM 80 GB", 312.0, 80.0, 300.0, 25.0, 0.63),
-    "h100": Hardware("H100 SXM 80 GB", 989.0, 80.0, 450.0, 50.0, 0.585),
-    "h200": Hardware("H200 SXM 141 GB", 989.0, 141.0, 450.0, 50.0, 0.585),
+    "a100": Hardware("A100 SXM 80 GB", 312.0, 80.0, 300.0, 25.0, 0.67),
+    "h100": Hardware("H100 SXM 80 GB", 989.0, 80.0, 450.0, 50.0, 0.70),
+    "h200": Hardware("H200 SXM 141 GB", 989.0, 141.0, 450.0, 50.0, 0.70),
 }
 H0 = 256  # the matmul width per GPU (d / tp) at which efficiency is half its maximum
 

@@ -276,3 +276,22 @@ def plan_lines(cfg, gpus: int, gpu: str, memory_gib: float | None, top: int = 12
     for sentence, count in sorted(refused.items(), key=lambda kv: -kv[1])[:3]:
         lines.append(f"refused ({count}x): {sentence}")
     return lines
+
+
+def predict(cfg, gpus: int, gpu: str, engine: str = "ddp") -> Candidate:
+    """The estimate for cfg's own layout (parallel.tp, parallel.pp, the rest data-parallel) and micro batch
+    on `gpus` GPUs of kind `gpu`, trained by `engine` (a row of parallel/plan.py's table)."""
+    from parallel.plan import HARDWARE
+    from pretrain.models import get_arch
+
+    hw, tp, pp = HARDWARE[gpu], cfg.parallel.tp, cfg.parallel.pp
+    fields = {"ddp": {}, "megatron": {"data_parallel": "megatron"},
+              "megatron-distopt": {"data_parallel": "megatron", "distributed_optimizer": True},
+              **{f"zero{z}": {"data_parallel": "deepspeed", "zero_stage": z} for z in (1, 2, 3)}}[engine]
+    parallel = replace(cfg.parallel, **fields)
+    dp = gpus // (tp * pp)
+    trial = replace(cfg, parallel=parallel, train=replace(cfg.train, compile=False, micro_batch_seqs=1))
+    stages = dry_run(trial, tp, pp, dp, shapes=False)
+    spec = get_arch(cfg.model.arch)
+    return _candidate(cfg, spec, hw, hw.memory_gib, stages, parallel, dp, cfg.train.micro_batch_seqs,
+                      spec.flops_per_token(cfg.model, cfg.data.seq_len, None), gpus)
