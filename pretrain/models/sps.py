@@ -324,6 +324,22 @@ FLOPS_FORMULA = ("6 * (2 L (2 d^2 + 2 d d_kv + 3 d f) + V d) + 48 * L * d * T pe
                  "about half) (L layers, width d, key/value width d_kv, FFN width f, vocabulary V, T input tokens)")
 
 
+def activation_bytes(cfg: SPSConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
+    """Peak activation bytes of one micro batch (fp32), as the decoder's (pretrain/models/decoder.py)
+    with every block over the 2T slots: in columns of N = batch x seq_len input tokens, a block keeps
+    2 (12.25 d + 4.1 f) + 3.8 d (the masked attention path keeps a little more than flash-style
+    attention), or its input (2.8 d) under recompute; the embedding of the slots, the read-out and the
+    head keep V + 5.5 d (6.5 d under recompute); the backward adds 2 V at the loss or, under recompute,
+    the recomputed block's 0.85 of a block when larger. Fitted to tests/test_plan.py's measurements."""
+    d, f, V, L = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers
+    block = 2 * (12.25 * d + 4.1 * f) + 3.8 * d
+    if recompute == "none":
+        columns = V + 5.5 * d + L * block + 2 * V
+    else:
+        columns = V + 6.5 * d + L * 2.8 * d + max(2 * V, 0.85 * block)
+    return int(4 * batch * seq_len * columns)
+
+
 def internal_tokens(cfg: SPSConfig) -> dict[str, int]:
     return {"<predict>": cfg.predict_id}
 
@@ -336,6 +352,7 @@ SPEC = register(ArchSpec(
     flops_formula=FLOPS_FORMULA,
     supports=Support(pp=True),
     pipeline_split=decoder.pipeline_split,
+    activation_bytes=activation_bytes,
     tp_dims=decoder.tp_dims,
     recompute_units=lambda model: list(model.blocks),
     internal_tokens=internal_tokens,
