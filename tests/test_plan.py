@@ -114,11 +114,16 @@ def _measured_peak(arch: str, policy: str, overrides: list[str]) -> tuple[int, i
     return live.peak, spec.activation_bytes(cfg.model, T, B, policy)
 
 
-@pytest.mark.parametrize("arch", ["baseline", "sps"])
-@pytest.mark.parametrize("policy", ["none", "full"])
-@pytest.mark.parametrize("overrides", [[], ["model.n_layers=2", "model.ffn_hidden=1024", "data.seq_len=128"]])
+VARIANT = ["model.n_layers=2", "model.ffn_hidden=1024", "data.seq_len=128"]
+ESTIMATES = [(arch, policy, over) for arch in ("baseline", "sps") for policy in ("none", "full") for over in ([], VARIANT)]
+ESTIMATES += [("rt", "none", []), ("rt", "none", ["model.n_layers=4", "model.ffn_hidden=1024"]),
+              ("rt", "none", ["model.recurrent=false"]), ("rt", "full", ["model.recurrent=false"])]
+
+
+@pytest.mark.parametrize("arch, policy, overrides", ESTIMATES)
 def test_the_activation_estimate_is_within_15_percent_of_the_measured_peak(arch, policy, overrides):
-    """Each architecture's tiny config (and a variant) under each recompute policy: the registry's
-    activation_bytes against the peak of live tensor bytes over one micro batch's forward and backward."""
+    """Each architecture's tiny config (and a variant) under each recompute policy it allows: the
+    registry's activation_bytes against the peak of live tensor bytes over one micro batch's forward
+    and backward."""
     measured, estimate = _measured_peak(arch, policy, overrides)
     assert abs(estimate / measured - 1) < 0.15, (estimate, measured)

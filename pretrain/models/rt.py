@@ -223,6 +223,23 @@ def flops_per_token(cfg: RTConfig, seq_len: int, ctx=None) -> float:
     return 6.0 * (L * (projections + 2 * d * f) + cfg.vocab_size * d) + 12.0 * L * d * seq_len
 
 
+def activation_bytes(cfg: RTConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
+    """Peak activation bytes of one micro batch (fp32), in columns of N = batch x seq_len (fitted to
+    tests/test_plan.py's measurements). RT's layer keeps only 1.8 d + 0.125 f through its custom backward,
+    which recomputes the layer (a Transformer row's 14.6 d + 2.125 f, with ALiBi's biased attention) when
+    its turn comes; a Transformer row keeps 14.6 d + 2.125 f, or 1.75 d under recompute. The embedding,
+    final norm and head keep V + 5 d; the loss's backward adds 2 V."""
+    d, f, V, L = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers
+    row = 14.6 * d + 2.125 * f
+    if cfg.recurrent:
+        columns = V + 5 * d + L * (1.8 * d + 0.125 * f) + max(2 * V, row)
+    elif recompute == "none":
+        columns = V + 5 * d + L * row + 2 * V
+    else:
+        columns = V + 5 * d + L * 1.75 * d + max(2 * V, row + 2 * d)
+    return int(4 * batch * seq_len * columns)
+
+
 FLOPS_FORMULA = ("6 * (L * (p d^2 + 2 d f) + V d) + 12 * L * d * T: forward x 3, p = 6 for RT (q, the output, and the "
                  "key/value projection twice: the temporary pair from x, the persistent one from z; spec §2.5: +1/6 "
                  "of the d^2 terms) or 4 for the Transformer rows, a GELU MLP of width f, the untied head, attention at "
@@ -237,6 +254,7 @@ SPEC = register(ArchSpec(
     flops_formula=FLOPS_FORMULA,
     decode=DecodeRelation("exact"),
     pipeline_split=pipeline_split,
+    activation_bytes=activation_bytes,
     supports=Support(tp=False, sp=False, pp=True, zero_stages=(0, 1, 2), reasons={
         "zero": "ZeRO-3 partitions parameters and gathers them around each module's forward, but RT's custom backward "
                 "runs the layer's modules again inside the backward pass, on parameters ZeRO-3 has released",
