@@ -118,6 +118,8 @@ VARIANT = ["model.n_layers=2", "model.ffn_hidden=1024", "data.seq_len=128"]
 ESTIMATES = [(arch, policy, over) for arch in ("baseline", "sps") for policy in ("none", "full") for over in ([], VARIANT)]
 ESTIMATES += [("rt", "none", []), ("rt", "none", ["model.n_layers=4", "model.ffn_hidden=1024"]),
               ("rt", "none", ["model.recurrent=false"]), ("rt", "full", ["model.recurrent=false"])]
+ESTIMATES += [("cart", policy, over) for policy in ("none", "pass", "loop", "block")
+              for over in ([], ["model.n_layers=4", "model.n_loops=2", "model.ffn_hidden=768"])]
 
 
 @pytest.mark.parametrize("arch, policy, overrides", ESTIMATES)

@@ -407,6 +407,27 @@ def _block_units(model: CART) -> list[nn.Module]:
     return [*model.prelude, *core, model.coda]
 
 
+def activation_bytes(cfg: CARTConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
+    """Peak activation bytes of one micro batch (fp32), in columns of N = batch x seq_len (fitted to
+    tests/test_plan.py's measurements). A prelude or coda layer keeps 15.1 d + 4.2 f (a block with the
+    low-rank key/value bottleneck), a core pass 12.4 d + 4.2 f; the embedding, anchor projection and head
+    V + 7.2 d; the loss's backward adds 2 V. Policy loop keeps one state (d) per pass instead; block and
+    pass keep each layer's input (1.46 d) and each pass's state (block: 2 d, its block input too), with
+    V + 8.7 d outside, and recompute one layer or pass at a time in the backward. The Dense baseline is
+    the decoder's."""
+    if cfg.dense:
+        return decoder.activation_bytes(cfg, seq_len, batch, "none" if recompute == "none" else "full")
+    d, f, V, P, R = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers, cfg.n_loops
+    layer, core = 15.1 * d + 4.2 * f, 12.4 * d + 4.2 * f
+    if recompute == "none":
+        columns = V + 7.2 * d + (P + 1) * layer + R * core + 2 * V
+    elif recompute == "loop":
+        columns = V + 7.2 * d + (P + 1) * layer + R * d + max(2 * V, core)
+    else:  # pass (= full) or block
+        columns = V + 8.7 * d + (P + 1) * 1.46 * d + R * (2 if recompute == "block" else 1) * d + max(2 * V, layer)
+    return int(4 * batch * seq_len * columns)
+
+
 def pipeline_split(cfg: CARTConfig, pp: int) -> list[int]:
     """Stages over the units (prelude layers, the core with its R passes, the coda) of the smallest
     largest cost: a layer costs 1, the core its expected number of passes; the Dense baseline's layers
@@ -433,6 +454,7 @@ SPEC = register(ArchSpec(
     tp_dims=tp_dims,
     supports=Support(pp=True),
     pipeline_split=pipeline_split,
+    activation_bytes=activation_bytes,
     recompute_units={"pass": Recompute(configure=_recompute_all), "loop": Recompute(configure=_recompute_loop),
                      "block": _block_units},
 ))
