@@ -99,7 +99,7 @@ def child(layout: str, prefix: str, steps: int, micro_batches: int) -> None:
     if trainer.rank == 0:
         from pretrain.models.baseline import flops_per_token
 
-        T, L = cfg.data.seq_len, cfg.model.n_layers
+        T = cfg.data.seq_len
         head = flops_per_token(cfg.model, T, depth=0)  # the output head and loss (the embedding is a lookup)
         layers = flops_per_token(cfg.model, T) - head
         stages = [layers / 2, layers / 2 + head]  # equal runs of L/2 layers; the last stage has the head

@@ -40,7 +40,7 @@ def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
     model = build()
     stage = None
     if lay.pp > 1:  # the whole model is built (the same initialisation as one process), then cut
-        from parallel.pipeline import Stage
+        from parallel.stages import Stage
 
         stage = Stage.of(pipeline_split(lay.pp))
         model.keep_stage(stage.lo, stage.hi, stage.first, stage.last)

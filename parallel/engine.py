@@ -10,7 +10,8 @@ through the same calls, never branching on which one runs:
 
 `forward_backward` runs the model contract (`model(batch, ctx) -> (loss, diagnostics)`, see
 pretrain/models/base.py) over one optimizer step's micro batches; the pipeline engine
-(parallel/pipeline.py) implements it with megatron-core's 1F1B schedule. `engine.describe()` says what runs, for the start line.
+(parallel/pipeline.py) implements it with megatron-core's 1F1B schedule. `engine.describe()` says
+what runs, for the start line.
 
 An engine is also the checkpoint view of its model and optimizer (parallel/state.py): it hands over
 full tensors keyed by the single-device model's parameter names and takes them back, whatever its

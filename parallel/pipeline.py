@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,67 +36,8 @@ from parallel.engine import Engine, FullState
 from parallel.grads import clip_grad_norm
 from parallel.layers import is_tensor_parallel, sequence_parallel_params
 from parallel.mesh import layout
+from parallel.stages import TIED, Stage
 from parallel.state import LocalState
-
-TIED = "_pipeline_tied"  # attribute of a parameter tied across the first and last stages: its canonical name
-
-
-class NotOnThisStage(nn.Module):
-    """The place of a module another pipeline stage runs (keeps the indices of a ModuleList)."""
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("this module runs on another pipeline stage")
-
-
-def mark_tied(p: nn.Parameter, canonical: str) -> None:
-    """Mark a parameter that the first and the last stage each hold a copy of (their grads are summed);
-    `canonical` is its name in the single-device model's optimizer state (a shared parameter's first
-    name, e.g. the embedding's), under which both stages save and load its optimizer state."""
-    setattr(p, TIED, canonical)
-
-
-@dataclass(frozen=True)
-class Stage:
-    lo: int
-    hi: int
-    first: bool
-    last: bool
-
-    @classmethod
-    def of(cls, boundaries: list[int]) -> "Stage":
-        lay = layout()
-        if len(boundaries) != lay.pp + 1:
-            raise ValueError(f"a pipeline split has pp + 1 = {lay.pp + 1} boundaries, got {boundaries}")
-        r = lay.pp_rank
-        return cls(boundaries[r], boundaries[r + 1], lay.first_stage, lay.last_stage)
-
-
-def balanced_split(costs: list[float], pp: int) -> list[int]:
-    """Boundaries cutting units of the given costs into pp contiguous runs of at least one unit with the
-    smallest largest run cost (ties: the earliest cuts); ValueError when there are fewer units than stages."""
-    n = len(costs)
-    if n < pp:
-        raise ValueError(f"{n} pipeline units cannot make {pp} stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[k][i]: the smallest largest cost of cutting units [0, i) into k runs; exact DP (n and pp are small)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(pp + 1)]
-    cut = [[0] * (n + 1) for _ in range(pp + 1)]
-    best[0][0] = 0.0
-    for k in range(1, pp + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, j
-    bounds, i = [n], n
-    for k in range(pp, 0, -1):
-        i = cut[k][i]
-        bounds.append(i)
-    return bounds[::-1]
-
 
 def _schedule_config(pp: int, dtype: torch.dtype):
     """The TransformerConfig megatron-core's schedules read (their p2p and loss handling only)."""

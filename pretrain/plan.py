@@ -64,7 +64,7 @@ def dry_run(cfg, tp: int, pp: int, dp: int, shapes: bool = True) -> list[StageRe
     import torch
 
     from parallel.mesh import setup_layout
-    from parallel.pipeline import Stage
+    from parallel.stages import Stage
     from parallel.plan import engine_of, in_flight, state_bytes
     from pretrain.data.batch import Batch
     from pretrain.models import get_arch

@@ -117,7 +117,7 @@ def test_what_cannot_be_staged_is_one_sentence(over, sentence, tmp_path):
 
 def test_cart_stages_hold_the_core_with_all_its_passes():
     from pretrain.models.cart import CARTConfig, pipeline_split
-    from parallel.pipeline import balanced_split
+    from parallel.stages import balanced_split
 
     assert pipeline_split(CARTConfig(n_layers=2, n_loops=6), 2) == [0, 2, 4]  # prelude | core + coda
     assert pipeline_split(CARTConfig(n_layers=6, n_loops=2), 2) == [0, 4, 8]  # 4 layers | 2, the core, the coda

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.attention import causal
 from parallel.layers import ColumnLinear, ReplicatedLinear, replicated_parameter
-from parallel.pipeline import NotOnThisStage, balanced_split
+from parallel.stages import NotOnThisStage, balanced_split
 from parallel.recompute import Recompute, apply_recompute
 from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp

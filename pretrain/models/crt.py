@@ -462,6 +462,25 @@ def _block_units(model: CRT) -> list[nn.Module]:
     return list(model.trunk.blocks) + ([model.correction] if model.correction is not None else [])
 
 
+def activation_bytes(cfg: CRTConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
+    """Peak activation bytes of one micro batch (fp32) at K = k_max passes (the most a step draws), in
+    columns of N = batch x seq_len, fitted to tests/test_plan.py's measurements of the paper block
+    (f = 4 d; V = 4096): each block application of each pass keeps 10.25 d + 2 f and each pass's correction
+    9.6 d, the rest 0.82 V, the loss's backward 2 V. Policy pass (= full) keeps each pass's state (2 d)
+    and recomputes a pass in the backward (at most 3/4 of its activations at once, as measured); block keeps each block input (1.2 d per application) and 3 d per
+    pass; both keep V + 3.3 d outside the passes."""
+    d, f, V, L, K = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers, cfg.k_max
+    application, correction = 10.25 * d + 2 * f, 9.6 * d
+    if recompute == "none":
+        columns = 0.82 * V + K * (L * application + correction) + 2 * V
+    elif recompute == "block":
+        columns = V + 3.3 * d + K * (3 * d + L * 1.2 * d) + max(2 * V, application)
+    else:
+        # the recomputed pass in the backward: below the loss's 2 V in every measured case; bounded so
+        columns = V + 3.3 * d + K * 2 * d + max(2 * V, 0.75 * (L * application + correction))
+    return int(4 * batch * seq_len * columns)
+
+
 SPEC = register(ArchSpec(
     name="crt",
     config_cls=CRTConfig,
@@ -479,6 +498,7 @@ SPEC = register(ArchSpec(
         "each of the K passes runs every block and feeds the last stage's output back to the first, so "
         "pipeline stages would idle K - 1 times out of K")}),
     tp_dims=decoder.tp_dims,
+    activation_bytes=activation_bytes,
     convert=convert,
     convert_fields=lambda source_arch, source_cfg: {"block": "llama"} if source_arch == "baseline" else {},
     upgrade_state=upgrade_attention_state,  # the shared attention's (trunk.blocks.*.attn.qkv before GQA)

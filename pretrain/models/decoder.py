@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from kernels.attention import Mask, decoder_mask
 from parallel.layers import LMHead, VocabEmbedding
-from parallel.pipeline import NotOnThisStage, mark_tied
+from parallel.stages import NotOnThisStage, mark_tied
 from pretrain.models.base import EVAL, ModelConfig
 from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
 
