@@ -461,8 +461,8 @@ def test_associative_recall_gpn_m_far_above_bare_gpn():
 
 @pytest.mark.parametrize("kw", [{}, {"d_state": 64}, {"mem_heads": 8}, {"n_layers": 2}, {"mem_heads": 0}])
 def test_the_activation_estimate_follows_what_autograd_keeps(kw):
-    """pretrain info's BPTT estimate (activation_bytes) against the bytes autograd saves per step."""
-    from pretrain.models.gpn import activation_bytes
+    """pretrain info's BPTT estimate (bptt_bytes) against the bytes autograd saves per step."""
+    from pretrain.models.gpn import bptt_bytes
 
     m = model_of(torch.float32, perturb=0.0, **kw)
 
@@ -478,7 +478,7 @@ def test_the_activation_estimate_follows_what_autograd_keeps(kw):
         return sum(storages.values())
 
     per_step = (saved(40) - saved(20)) / 20
-    estimate = activation_bytes(m.cfg, 1, 1, "none")
+    estimate = bptt_bytes(m.cfg, 1, 1, "none")
     assert 0.8 < estimate / per_step < 1.25, (estimate, per_step)
 
 

@@ -120,6 +120,7 @@ ESTIMATES += [("rt", "none", []), ("rt", "none", ["model.n_layers=4", "model.ffn
               ("rt", "none", ["model.recurrent=false"]), ("rt", "full", ["model.recurrent=false"])]
 ESTIMATES += [("cart", policy, over) for policy in ("none", "pass", "loop", "block")
               for over in ([], ["model.n_layers=4", "model.n_loops=2", "model.ffn_hidden=768"])]
+ESTIMATES += [("gpn", policy, over) for policy in ("none", "full") for over in ([], ["model.n_layers=2"])]
 ESTIMATES += [("crt", policy, ["model.k_min=0", *over]) for policy in ("none", "full", "block")  # K = k_max
               for over in ([], ["model.n_layers=4", "model.k_max=2"])]
 

@@ -456,7 +456,7 @@ def parameter_counts(cfg: GPNConfig) -> dict[str, int]:
             "state_numbers": H * dk + d + H * dk * dv}
 
 
-def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
+def bptt_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
     """BPTT's activation bytes for `batch` windows of seq_len in fp32: with recompute "none", what autograd
     keeps per step (about (1 + L) memories, for the write's and each read's backward, and some tens of
     state-wide vectors: a fit to the saved tensors, checked by tests/test_gpn.py) times T; with segment
@@ -470,6 +470,13 @@ def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = 
         S = cfg.segment_for(seq_len)
         floats = -(-seq_len // S) * n["state_numbers"] + S * per_step
     return 4 * batch * floats
+
+
+def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
+    """The planner's peak (its registry `activation_bytes`): BPTT's bytes and the tied head's, which keeps
+    the fp32 logits and adds their gradient and softmax in the backward (3 V numbers per position),
+    within 15% of tests/test_plan.py's measured peak."""
+    return bptt_bytes(cfg, seq_len, batch, recompute) + 4 * batch * seq_len * 3 * cfg.vocab_size
 
 
 def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:
@@ -490,7 +497,7 @@ def info(cfg: GPNConfig) -> list[str]:
     n = parameter_counts(cfg)
     state_bytes = 4 * n["state_numbers"]
     T = 2048
-    none, full = activation_bytes(cfg, T, 1, "none"), activation_bytes(cfg, T, 1, "full")
+    none, full = bptt_bytes(cfg, T, 1, "none"), bptt_bytes(cfg, T, 1, "full")
     return [f"inside the time loop: {n['loop']:,} parameters ({n['loop'] / n['total']:.0%}); the rest (embedding, "
             "fuse, decode) runs once over the window",
             f"decode state: {n['state_numbers']:,} numbers per sequence, {state_bytes:,} bytes in fp32 (memory "
