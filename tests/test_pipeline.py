@@ -124,3 +124,33 @@ def test_cart_stages_hold_the_core_with_all_its_passes():
     assert balanced_split([1, 1, 1, 1], 4) == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="too few for parallel.pp=5"):
         pipeline_split(CARTConfig(n_layers=2, n_loops=6), 5)
+
+
+def _nan_on_stage_0(rank, world, tmp, corpus):
+    import torch
+
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+
+    over = tiny_overrides(tmp, corpus, **{"train.run_dir": f"{tmp}/nan", "train.max_steps": 4, "checkpoint.every": 0,
+                                          "train.eval_every": 0, "train.nan_policy": "skip", "schedule.warmup_steps": 0})
+    trainer = Trainer(load_config("baseline/tiny", over + PP2), log=lambda *_: None)
+    finish = trainer.engine.finish_grads
+
+    def poisoned(max_norm):
+        if rank == 0 and trainer.step == 1:  # step 2: one gradient of the first stage only
+            next(p for p in trainer.engine.model.parameters() if p.grad is not None).grad[0] = float("nan")
+        return finish(max_norm)
+
+    trainer.engine.finish_grads = poisoned
+    trainer.fit()
+    return trainer.bad_steps.total, {n: bool(torch.isfinite(p).all()) for n, p in trainer.engine.model.named_parameters()}
+
+
+def test_a_non_finite_gradient_on_one_stage_skips_the_step_on_every_rank(tmp_path, corpus):
+    """The gradient norm is reduced over the stages, so the last stage, whose own gradients are finite,
+    skips step 2 too: every rank decides alike, and no NaN reaches any parameter."""
+    results = run_ranks(_nan_on_stage_0, 2, args=(str(tmp_path), corpus), timeout=300)
+    assert [r[0] for r in results] == [1, 1], results
+    assert all(all(finite.values()) for _, finite in results)
+    assert [r["step"] for r in read_metrics(str(tmp_path / "nan"))] == [1, 2, 3, 4]
