@@ -25,19 +25,34 @@ flops_per_token is training FLOPs per token at data.seq_len T from the architect
 (printed with it; for an architecture whose work is drawn per step, the expected value)."""
 
 _PLAN_HELP = """examples:
-  pretrain plan sps/l --dry-run --layout tp=4,pp=2,dp=8
-  pretrain plan sps/xl train.micro_batch_seqs=2 --dry-run --layout pp=4,dp=16
+  pretrain plan sps/xl --gpus 64                          # the fastest layout of 64 H100s that fits
+  pretrain plan baseline/xl --gpus 256 --gpu a100 --gpu-memory 40
+  pretrain plan sps/l --dry-run --layout tp=4,pp=2,dp=8   # build and shape-check one layout, no GPU
 
-Each pipeline stage is built as one of its ranks would build it (tensor-parallel shards, the stage's
-units), on the meta device and torch's fake process group, and one micro batch's forward and backward
-run on meta tensors: a layout whose shapes do not fit fails here, in seconds, not on the cluster.
+--dry-run: each pipeline stage is built as one of its ranks would build it (tensor-parallel shards,
+its units), on the meta device and torch's fake process group, and one micro batch's forward and
+backward run on meta tensors: a layout whose shapes do not fit fails here, in seconds.
+
 Bytes per rank (fp32 parameters, AdamW), by parallel.data_parallel:
   ddp / megatron:           weights 4n, gradients 4n, optimizer 8n + 4k   (k tensors: AdamW's step)
   megatron distributed opt: weights 4n, gradients 4n, optimizer 8n/dp
   ZeRO-1 / 2 / 3:           optimizer 12n/dp; ZeRO-2 also gradients 4n/dp; ZeRO-3 also weights 4n/dp
 with n the rank's parameters (1/tp of a split matrix, its stage's units). Activations: the
-architecture's activation_bytes estimate (per micro batch at recompute parallel.recompute) x the share
-of the units on the stage / tp x the micro batches 1F1B keeps in flight on it (pp - stage)."""
+architecture's activation_bytes (per micro batch at its recompute policy) x the stage's share of the
+units / tp x the micro batches 1F1B keeps in flight on it (pp - stage), halved under bf16; 2 GiB reserved.
+
+--gpus N: every tp (dividing the GPUs, at most a node's 8) x pp x dp layout, engine, recompute policy
+and micro batch the config validates under, with (F the architecture's FLOPs per token, M micro
+batches per step and stage, b T d a micro batch's activations):
+  compute = F x tokens per step / GPUs / (peak x eta), x 4/3 with recompute; eta = eta_max x w / (w + 256),
+            w = d / tp (eta_max per GPU, calibrated: docs/planner.md)
+  bubble  = compute x (pp - 1) / M
+  tp comm = M x L/pp x 4 all-reduces (6 with recompute) of b T d bf16, ring 2 (tp-1)/tp, NVLink
+  pp comm = M x 2 sends of b T d bf16 per stage (NVLink in a node, else the network)
+  dp comm = 2 (dp-1)/dp x 4n bytes (NVLink when tp x dp fit a node, else the network; x2 for ZeRO-3),
+            half hidden behind the backward, none under pipeline stages
+  MFU     = F x tokens/s per GPU / peak
+The table lists the candidates, fastest first among those that fit, and proposes the first."""
 
 _RUN_PATHS = """A run's paths are stored absolute; one that no longer exists is looked up at the same place
 relative to the run directory (a run moved together with its data works), and the tokenizer falls

@@ -132,3 +132,23 @@ def test_the_activation_estimate_is_within_15_percent_of_the_measured_peak(arch,
     and backward."""
     measured, estimate = _measured_peak(arch, policy, overrides)
     assert abs(estimate / measured - 1) < 0.15, (estimate, measured)
+
+
+def test_the_planner_proposes_the_fastest_layout_that_fits_and_its_help_states_the_formulas():
+    r = _plan("sps/xl", "--gpus", "64")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.splitlines()
+    assert out[0].startswith("plan for sps (1,678,081,600 parameters) on 64 x H100 SXM 80 GB")
+    proposal = next(line for line in out if line.startswith("proposed: "))
+    assert "parallel.tp=1" in proposal and "MFU" in proposal  # 25 heads: only TP1 divides
+    rows = [line.split() for line in out[2:] if line.strip()[:1].isdigit()]
+    fits = [row for row in rows if row[8] == "yes"]
+    assert fits and all(float(rows[0][9].replace(",", "")) >= float(row[9].replace(",", "")) for row in fits)
+    tight = _plan("sps/xl", "--gpus", "8", "--gpu-memory", "8")  # 1.7B parameters x 16 bytes on 8 GPUs
+    assert tight.returncode == 0 and "no layout fits" in tight.stdout, tight.stdout[-1500:]
+    helped = subprocess.run([sys.executable, "-m", "pretrain.cli", "plan", "--help"], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, timeout=60).stdout
+    for formula in ("optimizer 8n + 4k", "12n/dp", "bubble", "eta", "2 (tp-1)/tp"):
+        assert formula in helped, formula
+    bad = _plan("sps/xl", "--gpus", "8", "--dry-run")
+    assert bad.returncode == 2 and "either --gpus N (the planner) or --dry-run" in bad.stderr
