@@ -92,7 +92,7 @@ def test_every_option_has_help_and_numeric_ranges_are_stated():
         for action in verb._actions:
             assert action.help, f"pretrain {name} {action.option_strings or action.dest} has no help"
             if action.type in (int, float) and action.option_strings != ["--seed"]:
-                assert any(s in action.help for s in (">=", "in (", "at least")), (name, action.option_strings)
+                assert any(s in action.help for s in (">=", "> 0", "in (", "at least")), (name, action.option_strings)
 
 
 def test_a_hugging_face_folder_is_pointed_to_pretrain_import(tmp_path):
