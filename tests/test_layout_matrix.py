@@ -31,7 +31,7 @@ LAYOUTS = {  # name: (ranks, overrides)
     "pp2": (2, ["parallel.pp=2"]),
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "pp2xdp2": (4, ["parallel.pp=2"]),
-    "pp4": (4, ["parallel.pp=4"]),  # middle stages: neither embedding nor head
+    "pp4": (4, ["parallel.pp=4", "model.n_layers=4"]),  # middle stages: neither embedding nor head
 }
 CI_SUBSET = ("tp2", "zero3", "pp2")
 BASE = ["train.compile=false"]
@@ -70,7 +70,8 @@ def _check(arch, layout, tmp_path, corpus):
         assert any(r in refused for r in reasons.values()), f"{arch} refuses {layout} without a registry reason: {refused}"
         return
     tmp = str(tmp_path)
-    _, single = train_run(tmp, corpus, "single", 3, BASE, arch_config=_config(arch))
+    model = [o for o in extra if o.startswith("model.")]  # the layout's model (e.g. depth for PP4) in both runs
+    _, single = train_run(tmp, corpus, "single", 3, BASE + model, arch_config=_config(arch))
     params = {}  # every rank's view (a pipeline stage holds its own tensors; the others hold all)
     for held in run_ranks(_body, ranks, args=(tmp, corpus, arch, extra), env={"DS_ACCELERATOR": "cpu"}, timeout=600):
         params.update(held)
