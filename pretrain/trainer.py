@@ -38,7 +38,7 @@ from pretrain.data.build import check_internal_tokens, check_vocab, train_datase
 from pretrain.init_from import load_initial_weights
 from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
-from pretrain.models import count_parameters, get_arch
+from pretrain.models import count_parameters, get_arch, meta_model
 from pretrain.models.base import EVAL, StepContext
 from pretrain.optim import build_optimizer, lr_at
 from pretrain.preemption import StopOnSignal, StopRequested, sigint_deferred
@@ -490,7 +490,7 @@ class Trainer:
 
     def _describe(self) -> None:
         cfg = self.cfg
-        counts = count_parameters(self.model)
+        counts = count_parameters(meta_model(cfg.model))  # the whole model, whatever this rank holds (TP, PP)
         if cfg.log.show_config:
             self.log(to_yaml(cfg).rstrip())
         else:
@@ -504,7 +504,8 @@ class Trainer:
             f"peak {self.peak_tflops:.3f} TFLOP/s ({self.peak_source}) | {allocator_note()} | run dir {self.run_dir}"
         )
         p, lay = cfg.parallel, self.layout
-        self.log(f"layout: {lay.world} rank(s) = tp {lay.tp}{' (+sp)' if lay.sp else ''} x dp {lay.dp} | "
+        self.log(f"layout: {lay.world} rank(s) = tp {lay.tp}{' (+sp)' if lay.sp else ''} x dp {lay.dp}"
+                 f"{f' x pp {lay.pp}' if lay.pp > 1 else ''} | "
                  f"{self.engine.describe()}{' | megatron-core layers' if lay.megatron_layers else ''}"
                  f"{' | activation recompute: ' + p.recompute if p.recompute != 'none' else ''}")
         if cfg.train.compile:
