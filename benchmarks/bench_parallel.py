@@ -95,31 +95,11 @@ def child(layout: str, prefix: str, steps: int) -> None:
         _run_child(layout, prefix, steps, workdir, counter, active)
 
 
-def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
-    import torch.distributed as dist
-
-    from bench_trainer import overrides
-    from parallel.engine import Engine, EngineSettings
-    from pretrain.config import load_config
-    from pretrain.optim import build_optimizer
-    from pretrain.models import count_parameters
-    from pretrain.trainer import Trainer
-
-    if layout == "ddp":  # a one-rank process group so that DDP really wraps the model
-        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
-    over = overrides(prefix, workdir, 2 * steps, steps) + ["train.compile=false"] + LAYOUTS[layout]
-    trainer = Trainer(load_config("baseline/xs", over), log=lambda *_: None)
-    if layout == "ddp":
-        trainer.engine = Engine(trainer.model, build_optimizer(trainer.model, trainer.cfg.optim),
-                                EngineSettings.from_run(trainer.cfg, wrap=True))
-        # DDP's reducer calls the process group from C++; torch's Python all-reduce hook routes its
-        # buckets through dist.all_reduce, where they are counted
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        trainer.engine.wrapped.register_comm_hook(None, allreduce_hook)
-    # A step's time: from the start of forward to the end of zero_grad (backward, gradient reduction,
-    # the finiteness check and the optimizer step between); data loading and logging are left out.
-    # Bytes are counted in the same span of the measured (second) window.
+def time_steps(trainer, steps: int, active: list) -> list:
+    """Time each step of the trainer's second window of `steps` (appended to the returned list as fit()
+    runs): from the start of forward to the end of zero_grad (backward, gradient reduction, the
+    finiteness check and the optimizer step between); data loading and logging are left out.
+    active[0] is True inside a measured step (what the byte counters count)."""
     calls, times, began = [0], [], [0.0]
 
     def starts(fn):
@@ -142,6 +122,32 @@ def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
 
     trainer._forward_backward = starts(trainer._forward_backward)
     trainer.engine.zero_grad = ends(trainer.engine.zero_grad)
+    return times
+
+
+def _run_child(layout, prefix, steps, workdir, counter, active) -> None:
+    import torch.distributed as dist
+
+    from bench_trainer import overrides
+    from parallel.engine import Engine, EngineSettings
+    from pretrain.config import load_config
+    from pretrain.optim import build_optimizer
+    from pretrain.models import count_parameters
+    from pretrain.trainer import Trainer
+
+    if layout == "ddp":  # a one-rank process group so that DDP really wraps the model
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/store", rank=0, world_size=1)
+    over = overrides(prefix, workdir, 2 * steps, steps) + ["train.compile=false"] + LAYOUTS[layout]
+    trainer = Trainer(load_config("baseline/xs", over), log=lambda *_: None)
+    if layout == "ddp":
+        trainer.engine = Engine(trainer.model, build_optimizer(trainer.model, trainer.cfg.optim),
+                                EngineSettings.from_run(trainer.cfg, wrap=True))
+        # DDP's reducer calls the process group from C++; torch's Python all-reduce hook routes its
+        # buckets through dist.all_reduce, where they are counted
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        trainer.engine.wrapped.register_comm_hook(None, allreduce_hook)
+    times = time_steps(trainer, steps, active)
     trainer.fit()
     params = count_parameters(trainer.model)["total"]
     print(json.dumps({"times": times, "params": params,

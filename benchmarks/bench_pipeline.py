@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +59,7 @@ def _count_p2p(counter: dict, active: list) -> None:
 def child(layout: str, prefix: str, steps: int, micro_batches: int) -> None:
     counter, active = defaultdict(int), [False]
     _count_p2p(counter, active)
+    from bench_parallel import time_steps
     from bench_trainer import MICRO, overrides
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
@@ -71,28 +71,7 @@ def child(layout: str, prefix: str, steps: int, micro_batches: int) -> None:
         if layout == "pp2":
             over.append("parallel.pp=2")
         trainer = Trainer(load_config("baseline/xs", over), log=lambda *_: None)
-        calls, times, began = [0], [], [0.0]
-
-        def starts(fn):
-            def run(*a, **k):
-                calls[0] += 1
-                active[0] = calls[0] > steps
-                began[0] = time.perf_counter()
-                return fn(*a, **k)
-            return run
-
-        def ends(fn):
-            def run(*a, **k):
-                try:
-                    return fn(*a, **k)
-                finally:
-                    if active[0]:
-                        times.append(time.perf_counter() - began[0])
-                    active[0] = False
-            return run
-
-        trainer._forward_backward = starts(trainer._forward_backward)
-        trainer.engine.zero_grad = ends(trainer.engine.zero_grad)
+        times = time_steps(trainer, steps, active)  # the second window's steps, as bench_parallel times them
         trainer.save = lambda: None  # the end-of-run checkpoint is not what is measured
         trainer.fit()
         cfg = trainer.cfg
