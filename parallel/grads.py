@@ -43,26 +43,40 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     return torch.linalg.vector_norm(norms)
 
 
+def all_reduce_flat(grads: list[torch.Tensor], group, what: str, scale: float = 1.0) -> None:
+    """Sum (then scale) gradients over `group` in place, one flat buffer per dtype."""
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        collective(f"all_reduce({what})", dist.all_reduce, flat, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def all_reduce_tp_grads(grads: list[torch.Tensor]) -> None:
     """Sum gradients over the TP group in one flat buffer."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    collective("all_reduce(sequence-parallel grads)", dist.all_reduce, flat, group=layout().tp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if grads:
+        all_reduce_flat(grads, layout().tp_group, "sequence-parallel grads")
 
 
-def tensor_parallel_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Global L2 norm of the gradients when some parameters are TP shards (their squares summed over
-    the TP group) and the rest are replicated (counted once)."""
+def grad_square_sum(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The sum of squared gradients over the model when some parameters are TP shards (their squares
+    summed over the TP group) and the rest are replicated (counted once): a float32 scalar."""
     sharded = [p.grad for p in params if p.grad is not None and is_tensor_parallel(p)]
     replicated = [p.grad for p in params if p.grad is not None and not is_tensor_parallel(p)]
     sq = torch.zeros(2, dtype=torch.float32)
     for i, grads in enumerate((sharded, replicated)):
         if grads:
             sq[i] = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-    collective("all_reduce(grad norm)", dist.all_reduce, sq[:1], group=layout().tp_group)
-    return sq.sum().sqrt()
+    if layout().tp > 1:
+        collective("all_reduce(grad norm)", dist.all_reduce, sq[:1], group=layout().tp_group)
+    return sq.sum()
+
+
+def tensor_parallel_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of the gradients of a TP layout (grad_square_sum's root)."""
+    return grad_square_sum(params).sqrt()

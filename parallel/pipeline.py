@@ -33,8 +33,8 @@ from torch import nn
 from parallel import cpu_shim
 from parallel.dist import collective
 from parallel.engine import Engine, FullState
-from parallel.grads import clip_grad_norm
-from parallel.layers import is_tensor_parallel, sequence_parallel_params
+from parallel.grads import all_reduce_flat, all_reduce_tp_grads, grad_square_sum
+from parallel.layers import sequence_parallel_params
 from parallel.mesh import layout
 from parallel.stages import TIED, Stage
 from parallel.state import LocalState
@@ -197,44 +197,18 @@ class PipelineEngine(Engine):
         lay = layout()
         params = [p for p in self.model.parameters() if p.grad is not None]
         if lay.dp > 1:  # the weights carry a factor dp (see the trainer): the mean is the step's gradient
-            _all_reduce_flat([p.grad for p in params], lay.dp_group, "data-parallel grads", scale=1.0 / lay.dp)
-        if self.sp_params:
-            from parallel.grads import all_reduce_tp_grads
-
-            all_reduce_tp_grads([p.grad for p in self.sp_params if p.grad is not None])
+            all_reduce_flat([p.grad for p in params], lay.dp_group, "data-parallel grads", scale=1.0 / lay.dp)
+        all_reduce_tp_grads([p.grad for p in self.sp_params if p.grad is not None])
         tied = [p.grad for p in self.tied if p.grad is not None]
         if tied:
-            _all_reduce_flat(tied, lay.embedding_group, "tied weights' grads over the first and last stage")
+            all_reduce_flat(tied, lay.embedding_group, "tied weights' grads over the first and last stage")
         counted = [p for p in params if not (lay.last_stage and getattr(p, TIED, False))]  # the tied copy once
-        sq = torch.zeros(2, dtype=torch.float32)
-        for k, grads in enumerate(([p.grad for p in counted if is_tensor_parallel(p)],
-                                   [p.grad for p in counted if not is_tensor_parallel(p)])):
-            if grads:
-                sq[k] = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        if lay.tp > 1:
-            collective("all_reduce(grad norm over tp)", dist.all_reduce, sq[:1], group=lay.tp_group)
-        total = sq.sum().reshape(1)
+        total = grad_square_sum(counted).reshape(1)
         collective("all_reduce(grad norm over stages)", dist.all_reduce, total, group=lay.pp_group)
         norm = total[0].sqrt()
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        elif not params:
-            return clip_grad_norm([], 0)
         return norm
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group, what: str, scale: float = 1.0) -> None:
-    """Sum (then scale) gradients over `group`, one flat buffer per dtype."""
-    for dtype in {g.dtype for g in grads}:
-        same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        collective(f"all_reduce({what})", dist.all_reduce, flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 class PipelineForward(nn.Module):
