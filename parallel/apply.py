@@ -49,9 +49,10 @@ def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
     if compile:  # 3
         model.compile()
     if stage is not None:  # 4
-        from parallel.pipeline import PipelineEngine
+        from parallel.pipeline import MegatronPipelineEngine, PipelineEngine
 
-        return PipelineEngine(model, make_optimizer(model), settings, stage)
+        cls = MegatronPipelineEngine if parallel.data_parallel == "megatron" else PipelineEngine
+        return cls(model, make_optimizer(model), settings, stage)
     return engine_class(parallel.data_parallel)(model, make_optimizer(model), settings)  # 4
 
 

@@ -74,7 +74,7 @@ class MegatronEngine(Engine):
                 for group in opt.optimizer.param_groups:
                     group.update(flags)
         self.forward = self.wrapped
-        self.state = FullState(_MegatronState(self), model)
+        self.state = FullState(MegatronState(self), model)
 
     def describe(self) -> str:
         return "megatron-core DDP" + (" + distributed optimizer" if self.distributed else "")
@@ -103,7 +103,7 @@ class MegatronEngine(Engine):
         set_lr(self.optimizer, lr)
 
 
-class _MegatronState:
+class MegatronState:
     """The TP-local checkpoint view of a MegatronEngine (FullState adds the TP gathering)."""
 
     has_optimizer = True

@@ -111,7 +111,8 @@ def _gather_union(keys: set, what: str) -> set:
 
 class PipelineEngine(Engine):
     """This rank's stage, trained with megatron-core's 1F1B schedule; data parallelism by an
-    all-reduce of the stage's gradients after the schedule (parallel.data_parallel=ddp)."""
+    all-reduce of the stage's gradients after the schedule (parallel.data_parallel=ddp; megatron's
+    DDP: MegatronPipelineEngine below)."""
 
     name = "pipeline"
 
@@ -209,6 +210,49 @@ class PipelineEngine(Engine):
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm
+
+
+class MegatronPipelineEngine(PipelineEngine):
+    """Pipeline stages whose data parallelism is megatron-core's DDP, optionally with its distributed
+    optimizer (parallel.data_parallel=megatron): the schedule runs as above; megatron's gradient hooks
+    accumulate into its buffers during it (overlap_grad_reduce is off, so nothing is reduced before
+    finish_grads and the schedule needs no no_sync), and its optimizer steps the stage's parameters.
+
+    A tied weight's two gradients are summed over the embedding group before the data-parallel
+    reduction (a sum, so the order is free, and under the distributed optimizer the reduce-scatter
+    then sees the whole gradient); the last stage's copy is marked `shared`, which megatron's
+    gradient norm skips, and its norm is reduced over the model-parallel group, stages included."""
+
+    name = "pipeline-megatron"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings, stage: Stage):
+        from parallel.megatron_ddp import MegatronEngine, MegatronState
+
+        super().__init__(model, optimizer, settings, stage)
+        if stage.last:
+            for p in self.tied:
+                p.shared = True
+        self.dp_engine = MegatronEngine(model, optimizer, settings)
+        self.optimizer = self.dp_engine.optimizer
+        self.state = FullState(PipelineState(MegatronState(self.dp_engine), model), model)
+
+    def describe(self) -> str:
+        return super().describe().split(", gradients")[0] + ", " + self.dp_engine.describe()
+
+    def finish_grads(self, max_norm: float) -> torch.Tensor:
+        tied = [p.main_grad for p in self.tied]
+        if tied:
+            all_reduce_flat(tied, layout().embedding_group, "tied weights' grads over the first and last stage")
+        return self.dp_engine.finish_grads(max_norm)
+
+    def step(self) -> None:
+        self.dp_engine.step()
+
+    def zero_grad(self) -> None:
+        self.dp_engine.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        self.dp_engine.set_lr(lr)
 
 
 class PipelineForward(nn.Module):

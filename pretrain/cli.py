@@ -248,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # megatron-core says on import, four times per rank, that it falls back to torch's optimizers and
+    # kernels without Transformer Engine or apex: the expected path here, not news to a user
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     if argv is None and args.verb in ("train", "eval", "generate"):  # run as the program: before torch loads
         from pretrain.malloc import use_caching_allocator
 

@@ -39,9 +39,11 @@ class ParallelConfig:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
         if self.pp < 1:
             raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
-        if self.pp > 1 and self.data_parallel != "ddp":
-            raise ConfigError(f"parallel.pp={self.pp} with parallel.data_parallel={self.data_parallel} is not "
-                              "supported yet (not shown to work); use parallel.data_parallel=ddp")
+        if self.pp > 1 and self.data_parallel == "deepspeed":
+            raise ConfigError(f"parallel.pp={self.pp} with parallel.data_parallel=deepspeed is not supported: "
+                              "ZeRO reduces gradients inside DeepSpeed's own backward, which the pipeline schedule "
+                              "bypasses; use parallel.data_parallel=megatron with parallel.distributed_optimizer=true "
+                              "for a sharded optimizer state")
         if self.sp and self.tp == 1:
             raise ConfigError("parallel.sp=true splits the sequence over the tensor-parallel group: it needs "
                               "parallel.tp > 1")

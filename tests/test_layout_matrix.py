@@ -32,6 +32,8 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "pp2xdp2": (4, ["parallel.pp=2"]),
     "pp4": (4, ["parallel.pp=4", "model.n_layers=4"]),  # middle stages: neither embedding nor head
+    "pp2xdp2-megatron": (4, ["parallel.pp=2", "parallel.data_parallel=megatron"]),
+    "pp2xdp2-distopt": (4, ["parallel.pp=2", "parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"]),
 }
 CI_SUBSET = ("tp2", "zero3", "pp2")
 BASE = ["train.compile=false"]
