@@ -47,14 +47,29 @@ RUNS = [  # (name, config, overrides, gpu, gpus, engine, published tokens/s/GPU 
       "parallel.tp=8", "parallel.pp=8", LLAMA],
      "h100", 1024, "ddp", None, 0.445, "prediction (41-48%)"),
     ("RT 300M-12L, one H100 (spec-003 §4)", "rt/300m-12l", [], "h100", 1, "ddp", 42000, None, "prediction"),
+    ("RT 300M-6L, one H100 (spec-003 §4)", "rt/300m-6l", [], "h100", 1, "ddp", 49000, None, "prediction"),
     ("Transformer 300M-12L, same paper", "rt/t-300m-12l", ["train.micro_batch_seqs=32"], "h100", 1, "ddp", 132000, None,
+     "prediction"),
+    ("Transformer 300M-6L, same paper", "rt/t-300m-6l", ["train.micro_batch_seqs=32"], "h100", 1, "ddp", 153000, None,
      "prediction"),
 ]
 
 
 def main() -> None:
+    from parallel.plan import HARDWARE, RT_LAYER_FORWARD_MS, RT_TABLE_SHAPE, SERIAL_KAPPA, SERIAL_STEP_S, efficiency
     from pretrain.config import load_config
     from pretrain.plan import predict
+
+    # the position-serial constants, fitted to RT's per-layer forward latency (parallel/plan.py), and the fit's rows
+    d, f, T = RT_TABLE_SHAPE["d"], RT_TABLE_SHAPE["f"], RT_TABLE_SHAPE["T"]
+    hw = HARDWARE["h100"]
+    rate = hw.peak_tflops * 1e12 * efficiency(hw, d)
+    print(f"serial loop constants: {SERIAL_STEP_S * 1e6:.1f} us per step, kappa {SERIAL_KAPPA:.3f} "
+          f"(RT layer forward, d={d}, T={T}, one H100)")
+    for b, ms in RT_LAYER_FORWARD_MS.items():
+        model = T * SERIAL_STEP_S + b * T * ((6 * d * d + 4 * d * f + 2 * d * T) / SERIAL_KAPPA + 6 * d * d) / rate
+        print(f"  batch {b:>5}: published {ms:7.2f} ms, fit {model * 1e3:7.2f} ms")
+    print()
 
     print(f"{'published run':54s} {'GPUs':>6s} {'predicted tok/s/GPU':>20s} {'published':>10s} {'ratio':>6s} "
           f"{'MFU pred.':>9s} {'published':>9s}  role")

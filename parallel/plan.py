@@ -90,6 +90,34 @@ def efficiency(hw: Hardware, width: float) -> float:
     return hw.efficiency * width / (width + H0)
 
 
+# -- position-serial loops (an architecture's registry serial_loop) ----------------------------------
+# A loop over positions runs small per-step kernels: each step costs a latency (launches, even under CUDA
+# graphs) and its matmuls have only the batch's rows. Both constants come from the one published
+# measurement of such a loop: RT's per-layer forward latency against batch size on one H100 (spec-003
+# §3.7, the paper's CUDA-graph table; d = 1024, T = 512, 16 heads), fitted as a line over the training
+# batches (512 to 2,048 sequences):  latency(b) = T x step_s + b T (f_serial / kappa + f_batched) / (peak eta(d)).
+RT_LAYER_FORWARD_MS = {512: 81.73, 1024: 134.09, 2048: 240.83}  # with CUDA graphs; batch: ms
+RT_TABLE_SHAPE = dict(d=1024, f=4096, T=512)
+
+
+def fit_serial_constants(hw_name: str = "h100") -> tuple[float, float]:
+    """(seconds per serial step, kappa: the serial FLOPs' efficiency relative to eta) from the table above,
+    by least squares; f_serial = 6 d^2 + 4 d f + 2 d T (rt.serial_loop's forward part), f_batched = 6 d^2."""
+    d, f, T = RT_TABLE_SHAPE["d"], RT_TABLE_SHAPE["f"], RT_TABLE_SHAPE["T"]
+    xs, ys = list(RT_LAYER_FORWARD_MS), [ms / 1e3 for ms in RT_LAYER_FORWARD_MS.values()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)  # seconds per sequence
+    intercept = my - slope * mx
+    hw = HARDWARE[hw_name]
+    rate = hw.peak_tflops * 1e12 * efficiency(hw, d)
+    f_serial, f_batched = 6 * d * d + 4 * d * f + 2 * d * T, 6 * d * d
+    kappa = f_serial / (slope * rate / T - f_batched)
+    return intercept / T, kappa
+
+
+SERIAL_STEP_S, SERIAL_KAPPA = fit_serial_constants()  # about 53 us per step and 0.23
+
+
 @dataclass(frozen=True)
 class StepEstimate:
     compute_s: float
@@ -105,17 +133,23 @@ class StepEstimate:
 
 def step_time(hw: Hardware, *, flops_per_token: float, tokens_per_step: int, gpus: int, d_model: int, layers: int,
               tp: int, pp: int, dp: int, micro_batches: int, micro_tokens: int, params_per_rank: int,
-              recompute: bool, engine: str, act_bytes: int = 2) -> StepEstimate:
+              recompute: bool, engine: str, act_bytes: int = 2, serial_steps: int = 0,
+              serial_flops_per_token: float = 0.0) -> StepEstimate:
     """The formulas `pretrain plan --help` states:
-      compute  = F x tokens_per_step / gpus / (peak x eta(d / tp)), F x 4/3 with recompute (one more forward)
+      compute  = (F - Fs + Fs / kappa) x tokens_per_step / gpus / (peak x eta(d / tp)), x 4/3 with recompute
+                 (one more forward); + M x S / pp x (2 passes, 3 with recompute) x step_s
+                 (Fs, S: the FLOPs per token run inside a position-serial loop and its steps per micro batch,
+                 the architecture's registry serial_loop; 0 for a model that runs every position at once)
       bubble   = compute x (pp - 1) / M                      (1F1B: M micro batches per step and stage)
       tp comm  = M x L/pp x (4, 6 with recompute) all-reduces of b T d x act_bytes, ring 2 (tp-1)/tp over NVLink
       pp comm  = M x 2 sends of b T d x act_bytes per stage boundary (NVLink in a node, else the network)
       dp comm  = 2 (dp-1)/dp x 4 bytes x params_per_rank over NVLink when tp x dp ranks fit a node, else the
                  network; half of it hidden behind the backward (DDP's buckets), none under pipeline stages
                  (their gradients are reduced after the schedule)."""
-    flops = flops_per_token * tokens_per_step / gpus * (4 / 3 if recompute else 1.0)
+    work = flops_per_token - serial_flops_per_token + serial_flops_per_token / SERIAL_KAPPA
+    flops = work * tokens_per_step / gpus * (4 / 3 if recompute else 1.0)
     compute = flops / (hw.peak_tflops * 1e12 * efficiency(hw, d_model / tp))
+    compute += micro_batches * serial_steps / pp * (3 if recompute else 2) * SERIAL_STEP_S
     bubble = compute * (pp - 1) / micro_batches
     message = micro_tokens * d_model * act_bytes
     tp_comm = 0.0

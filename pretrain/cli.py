@@ -44,8 +44,11 @@ units / tp x the micro batches 1F1B keeps in flight on it (pp - stage), halved u
 --gpus N: every tp (dividing the GPUs, at most a node's 8) x pp x dp layout, engine, recompute policy
 and micro batch the config validates under, with (F the architecture's FLOPs per token, M micro
 batches per step and stage, b T d a micro batch's activations):
-  compute = F x tokens per step / GPUs / (peak x eta), x 4/3 with recompute; eta = eta_max x w / (w + 256),
-            w = d / tp (eta_max per GPU, calibrated: docs/planner.md)
+  compute = (F - Fs + Fs / kappa) x tokens per step / GPUs / (peak x eta), x 4/3 with recompute;
+            eta = eta_max x w / (w + 256), w = d / tp (eta_max per GPU, calibrated: docs/planner.md);
+            + M x S/pp x 2 passes (3 with recompute) x step_s for an architecture whose registry
+            serial_loop runs S dependent position steps per micro batch holding Fs FLOPs per token
+            (RT, GPN); step_s ~ 55 us and kappa ~ 0.23 are fitted to RT's published layer latencies
   bubble  = compute x (pp - 1) / M
   tp comm = M x L/pp x 4 all-reduces (6 with recompute) of b T d bf16, ring 2 (tp-1)/tp, NVLink
   pp comm = M x 2 sends of b T d bf16 per stage (NVLink in a node, else the network)

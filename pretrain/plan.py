@@ -231,10 +231,13 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
             act = spec.activation_bytes(cfg.model, T, mb, policy) * r.act_fraction / tp
             act *= in_flight(pp, r.stage, M) * (0.5 if bf16 else 1.0)
         worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
+    serial = spec.serial_loop(cfg.model, T) if spec.serial_loop else None
+    steps, serial_flops = serial or (0, 0.0)
     est = step_time(hw, flops_per_token=flops, tokens_per_step=cfg.tokens_per_step, gpus=gpus,
                     d_model=cfg.model.d_model, layers=getattr(cfg.model, "n_layers", 1), tp=tp, pp=pp, dp=dp,
                     micro_batches=M, micro_tokens=mb * T, params_per_rank=max(r.params for r in stages),
-                    recompute=policy != "none", engine=engine_of(parallel))
+                    recompute=policy != "none", engine=engine_of(parallel), serial_steps=steps,
+                    serial_flops_per_token=serial_flops)
     tps = cfg.tokens_per_step / est.total_s / gpus
     c = Candidate(tp, pp, dp, engine_of(parallel), policy, M, worst, known, est, tps, flops * tps / (hw.peak_tflops * 1e12))
     c.micro_batch = mb

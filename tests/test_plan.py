@@ -152,3 +152,45 @@ def test_the_planner_proposes_the_fastest_layout_that_fits_and_its_help_states_t
         assert formula in helped, formula
     bad = _plan("sps/xl", "--gpus", "8", "--dry-run")
     assert bad.returncode == 2 and "either --gpus N (the planner) or --dry-run" in bad.stderr
+
+
+def test_the_serial_loop_constants_reproduce_rts_published_latency_table():
+    """parallel/plan.py fits a step latency and kappa to the paper's per-layer forward latencies; the
+    fitted line must give the table back (within 2%), and the constants must be of the fitted size."""
+    from parallel.plan import (HARDWARE, RT_LAYER_FORWARD_MS, RT_TABLE_SHAPE, SERIAL_KAPPA, SERIAL_STEP_S, efficiency,
+                               fit_serial_constants)
+
+    assert (SERIAL_STEP_S, SERIAL_KAPPA) == fit_serial_constants()
+    assert 20e-6 < SERIAL_STEP_S < 100e-6 and 0.1 < SERIAL_KAPPA < 0.5
+    d, f, T = RT_TABLE_SHAPE["d"], RT_TABLE_SHAPE["f"], RT_TABLE_SHAPE["T"]
+    hw = HARDWARE["h100"]
+    rate = hw.peak_tflops * 1e12 * efficiency(hw, d)
+    for b, ms in RT_LAYER_FORWARD_MS.items():
+        model = T * SERIAL_STEP_S + b * T * ((6 * d * d + 4 * d * f + 2 * d * T) / SERIAL_KAPPA + 6 * d * d) / rate
+        assert model * 1e3 == pytest.approx(ms, rel=0.02), b
+
+
+@pytest.mark.parametrize("micro", [32, 128])
+def test_a_position_serial_loop_pays_its_latency_per_micro_batch(micro):
+    """RT's layers step through positions (its registry serial_loop): a smaller micro batch pays the steps'
+    latency more often, so its predicted throughput falls; the Transformer of the same shape (no serial
+    loop) does not care. The predicted RT step holds exactly the formula's latency term."""
+    from parallel.plan import SERIAL_STEP_S
+    from pretrain.config import load_config
+    from pretrain.models import get_arch
+    from pretrain.plan import predict
+
+    def at(config, mb):
+        cfg = load_config(config, ["train.compile=false", f"train.micro_batch_seqs={mb}"], check_data=False)
+        return cfg, predict(cfg, 1, "h100")
+
+    cfg, whole = at("rt/300m-12l", 512)
+    _, small = at("rt/300m-12l", micro)
+    steps, _ = get_arch("rt").serial_loop(cfg.model, cfg.data.seq_len)
+    assert steps == cfg.model.n_layers * cfg.data.seq_len
+    M = 512 // micro
+    assert small.step.compute_s - whole.step.compute_s == pytest.approx((M - 1) * steps * 2 * SERIAL_STEP_S, rel=1e-6)
+    assert small.tokens_per_s_per_gpu < 0.95 * whole.tokens_per_s_per_gpu
+    _, t_whole = at("rt/t-300m-12l", 512)
+    _, t_small = at("rt/t-300m-12l", micro)
+    assert t_small.step.compute_s == pytest.approx(t_whole.step.compute_s, rel=1e-9)

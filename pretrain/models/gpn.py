@@ -487,6 +487,13 @@ def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:
     return 6.0 * matmul + 3.0 * memory_ops
 
 
+def serial_loop(cfg: GPNConfig, seq_len: int) -> tuple[int, float]:
+    """GPN's state advances one token at a time: T dependent steps (all layers inside each); everything
+    but the embedding, the projections around the loop and the head runs inside them."""
+    n = parameter_counts(cfg)
+    return seq_len, flops_per_token(cfg, seq_len) - 6.0 * (n["total"] - n["loop"])
+
+
 FLOPS_FORMULA = ("6 * N + 3 * (4 + 2 L) H d_k d_v: every parameter in one multiply-add per token, forward and "
                  "backward (N the total: the tied head V x E once, the loop's matrices once per step), and the "
                  "memory's write (erase and update) and L reads per step; segment recomputation's extra forward "
@@ -519,6 +526,7 @@ SPEC = register(ArchSpec(
     flops_formula=FLOPS_FORMULA,
     info=info,
     activation_bytes=activation_bytes,
+    serial_loop=serial_loop,
     decode=DecodeRelation("exact"),
     progress=("mem_effect",),
     supports=Support(tp=False, sp=False, reasons={

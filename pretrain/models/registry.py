@@ -94,8 +94,14 @@ class ArchSpec:
     # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; RunConfig.validate refuses a
     # parallel.tp that does not divide each (a decoder-shaped config: pretrain/models/decoder.py's tp_dims)
     tp_dims: Callable[[Any], dict[str, int]] | None = None
-    # An activation-memory estimate for the planner (not written yet).
+    # The planner's activation-memory estimate: activation_bytes(cfg, T, micro_batch, recompute) -> the
+    # peak bytes of one micro batch's forward and backward in fp32 (pretrain/plan.py scales it by stage)
     activation_bytes: Callable[[Any, int, int, str], int] | None = None
+    # A recurrence over positions that training cannot parallelize: serial_loop(cfg, T) -> (dependent
+    # steps one micro batch's forward takes, its backward the same; training FLOPs per token run inside
+    # those steps, forward and backward). The planner charges each step a latency and runs those FLOPs
+    # at a position-serial efficiency (parallel/plan.py). None: every position runs at once.
+    serial_loop: Callable[[Any, int], tuple[int, float] | None] | None = None
     # Pipeline stages (parallel/pipeline.py): pipeline_split(cfg, pp) -> pp + 1 boundaries over the
     # model's pipeline units (its `pipeline_units()`; ValueError, one sentence, when they do not split);
     # the model runs a stage with run_stage(batch, ctx, h, lo, hi, last) and drops the rest with

@@ -240,6 +240,18 @@ def activation_bytes(cfg: RTConfig, seq_len: int, batch: int, recompute: str = "
     return int(4 * batch * seq_len * columns)
 
 
+def serial_loop(cfg: RTConfig, seq_len: int) -> tuple[int, float] | None:
+    """Each RT layer produces its positions one at a time (spec §3): T dependent steps per layer. What runs
+    inside them, per token and layer (spec §3.3, §3.5): forward the output projection and MLP (2 d^2 +
+    4 d f), the persistent key/value projection (4 d^2) and the tile attention (2 d T on average); backward
+    the key/value input gradient (4 d^2), post() recomputed and its input gradient (4 d^2 + 8 d f) and the
+    tiles' dK, dV (4 d T). The queries, the temporary pairs and every weight gradient run batched."""
+    if not cfg.recurrent:
+        return None
+    d, f, T = cfg.d_model, cfg.ffn, seq_len
+    return cfg.n_layers * T, float(cfg.n_layers * (14 * d * d + 12 * d * f + 6 * d * T))
+
+
 FLOPS_FORMULA = ("6 * (L * (p d^2 + 2 d f) + V d) + 12 * L * d * T: forward x 3, p = 6 for RT (q, the output, and the "
                  "key/value projection twice: the temporary pair from x, the persistent one from z; spec §2.5: +1/6 "
                  "of the d^2 terms) or 4 for the Transformer rows, a GELU MLP of width f, the untied head, attention at "
@@ -255,6 +267,7 @@ SPEC = register(ArchSpec(
     decode=DecodeRelation("exact"),
     pipeline_split=pipeline_split,
     activation_bytes=activation_bytes,
+    serial_loop=serial_loop,
     supports=Support(tp=False, sp=False, pp=True, zero_stages=(0, 1, 2), reasons={
         "zero": "ZeRO-3 partitions parameters and gathers them around each module's forward, but RT's custom backward "
                 "runs the layer's modules again inside the backward pass, on parameters ZeRO-3 has released",
