@@ -63,15 +63,22 @@ def _held(rank, world, tmp, corpus, extra):
     trainer.engine.zero_grad = measure_then_zero
     trainer.save = lambda: None
     trainer.fit()
-    params = {id(p): p for p in trainer.engine.model.parameters()}.values()
-    state = [t for s in trainer.engine.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    engine = trainer.engine
+    params = {id(p): p for p in engine.model.parameters()}.values()
+    optimizers = [engine.optimizer]
+    megatron = getattr(engine, "dp_engine", engine)  # megatron's DDP: gradients in its buffers, its optimizers
+    if isinstance(getattr(megatron.wrapped, "buffers", None), list):
+        grads = [sum(b.grad_data.numel() * b.grad_data.element_size() for b in megatron.wrapped.buffers)]
+        optimizers = [o.optimizer for o in getattr(megatron.optimizer, "chained_optimizers", [megatron.optimizer])]
+    state = [t for o in optimizers for s in o.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     return {"weights": sum(p.numel() * p.element_size() for p in params), "gradients": grads[0],
-            "optimizer": sum(t.numel() * t.element_size() for t in state)}
+            "optimizer": sum(t.numel() * t.element_size() for t in state), "scalars": sum(t.dim() == 0 for t in state)}
 
 
 @pytest.mark.parametrize("layout, ranks, extra", [
     ("tp=1", 1, []), ("pp=2", 2, ["parallel.pp=2"]), ("tp=2", 2, ["parallel.tp=2"]),
-    ("pp=2,dp=2", 4, ["parallel.pp=2"]),
+    ("pp=2,dp=2", 4, ["parallel.pp=2"]), ("dp=2", 2, ["parallel.data_parallel=megatron"]),
+    ("pp=2,dp=2", 4, ["parallel.pp=2", "parallel.data_parallel=megatron"]),
 ])
 def test_the_planners_state_bytes_equal_what_each_rank_holds(layout, ranks, extra, tmp_path):
     corpus = write_markov_corpus(tmp_path / "markov")
@@ -82,7 +89,30 @@ def test_the_planners_state_bytes_equal_what_each_rank_holds(layout, ranks, extr
     held = run_ranks(_held, ranks, args=(str(tmp_path), corpus, extra), timeout=300, env={"DS_ACCELERATOR": "cpu"})
     for rank, got in enumerate(held):
         stage = planned[rank // (ranks // len(planned))]  # stages are the slowest rank dimension
+        got.pop("scalars")
         assert got == {k: stage[k] for k in ("weights", "gradients", "optimizer")}, (rank, got, stage)
+
+
+@pytest.mark.parametrize("layout, ranks, extra", [("dp=2", 2, []), ("pp=2,dp=2", 4, ["parallel.pp=2"])])
+def test_the_distributed_optimizers_bytes_are_the_planners_up_to_megatrons_padding(layout, ranks, extra, tmp_path):
+    """megatron's distributed optimizer: weights exactly 4n; its gradient buffer 4n plus the padding the
+    planner leaves out (each parameter's start aligned to 64 elements, the bucket's end to a multiple of
+    lcm(dp, 128)); the Adam state over the data-parallel ranks exactly 8n plus a 4-byte step per shard,
+    so the planner's 8n/dp is each rank's average."""
+    corpus = write_markov_corpus(tmp_path / "markov")
+    extra = [*extra, "parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"]
+    r = _plan("baseline/tiny", *tiny_overrides(tmp_path, corpus), *extra, "--dry-run", "--layout", layout, "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    planned = [json.loads(line) for line in r.stdout.splitlines()]
+    held = run_ranks(_held, ranks, args=(str(tmp_path), corpus, extra), timeout=300)
+    for s, stage in enumerate(planned):
+        ranks_of_stage = held[2 * s:2 * s + 2]  # dp = 2, the fastest rank dimension after tp
+        n, k = stage["params"], stage["tensors"]
+        for got in ranks_of_stage:
+            assert got["weights"] == stage["weights"] == 4 * n
+            assert 0 <= got["gradients"] - stage["gradients"] < 4 * (64 * k + 128), (got, stage)
+        assert sum(g["optimizer"] for g in ranks_of_stage) == 2 * stage["optimizer"] + \
+            4 * sum(g["scalars"] for g in ranks_of_stage), (ranks_of_stage, stage)
 
 
 def _measured_peak(arch: str, policy: str, overrides: list[str]) -> tuple[int, int]:
