@@ -34,25 +34,27 @@ def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
                 compile: bool = False, pipeline_split: Callable[[int], list] | None = None) -> Engine:
     """The engine around the model `build()` makes, with the steps of the module docstring applied;
     `recompute` is the activation-recompute policy chosen (a Recompute, or a bare function model ->
-    modules to wrap), or None; `pipeline_split(pp)` gives the stage boundaries under parallel.pp > 1."""
+    modules to wrap), or None; `pipeline_split(n)` gives the boundaries of n stages under parallel.pp > 1
+    (n = pp x parallel.virtual_stages; this rank keeps its stages, parallel/stages.py's Stage.chunks)."""
     parallel = settings.parallel
     lay = setup_layout(parallel)  # 1
     model = build()
-    stage = None
+    chunks = None
     if lay.pp > 1:  # the whole model is built (the same initialisation as one process), then cut
-        from parallel.stages import Stage
+        from parallel.stages import Stage, units_of
 
-        stage = Stage.of(pipeline_split(lay.pp))
-        model.keep_stage(stage.lo, stage.hi, stage.first, stage.last)
+        virtual = getattr(parallel, "virtual_stages", 1)
+        chunks = Stage.chunks(pipeline_split(lay.pp * virtual), virtual)
+        model.keep_stage(units_of(chunks), chunks[0].first, chunks[-1].last)
     if recompute is not None:  # 2
         as_policy(recompute).apply(model)
     if compile:  # 3
         model.compile()
-    if stage is not None:  # 4
+    if chunks is not None:  # 4
         from parallel.pipeline import MegatronPipelineEngine, PipelineEngine
 
         cls = MegatronPipelineEngine if parallel.data_parallel == "megatron" else PipelineEngine
-        return cls(model, make_optimizer(model), settings, stage)
+        return cls(model, make_optimizer(model), settings, chunks)
     return engine_class(parallel.data_parallel)(model, make_optimizer(model), settings)  # 4
 
 

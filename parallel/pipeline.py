@@ -3,9 +3,12 @@ schedule over the pipeline group.
 
 The model says how it cuts (pretrain/models/registry.py's `pipeline_split` and the model's
 `pipeline_units`, `run_stage` and `keep_stage`); this module knows nothing of what a unit is:
-    stage = Stage.of(boundaries)            # this rank's units [lo, hi), first/last
-    model.keep_stage(lo, hi, first, last)   # what other stages run is dropped; names stay single-device
-    engine = PipelineEngine(model, optimizer, settings, stage)
+    chunks = Stage.chunks(boundaries, v)    # this rank's stages: units [lo, hi), first/last each
+    model.keep_stage(units, first, last)    # what other ranks run is dropped; names stay single-device
+    engine = PipelineEngine(model, optimizer, settings, chunks)
+With parallel.virtual_stages = v > 1 the model is cut into pp x v stages and rank r holds stages r,
+r + pp, ...: megatron-core's interleaved 1F1B, whose bubble is (pp - 1) / (v M) of the step instead of
+(pp - 1) / M, for v times the stage-to-stage messages.
 
 Why megatron-core's schedule: it calls the step function with the data iterator on every stage, so
 every stage reads the same micro batch and the step context (masks, positions, CRT/CART draws are
@@ -39,24 +42,28 @@ from parallel.mesh import layout
 from parallel.stages import TIED, Stage
 from parallel.state import LocalState
 
-def _schedule_config(pp: int, dtype: torch.dtype):
+def _schedule_config(pp: int, virtual: int, dtype: torch.dtype):
     """The TransformerConfig megatron-core's schedules read (their p2p and loss handling only)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(num_layers=pp, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
-                             pipeline_dtype=dtype, variable_seq_lengths=True, calculate_per_token_loss=True,
-                             use_cpu_initialization=True, gradient_accumulation_fusion=False,
-                             moe_token_dispatcher_type="alltoall")  # (its check of variable lengths; no MoE here)
+    interleaved = {"virtual_pipeline_model_parallel_size": virtual, "microbatch_group_size_per_vp_stage": pp} \
+        if virtual > 1 else {}
+    return TransformerConfig(num_layers=pp * virtual, hidden_size=8, num_attention_heads=1,
+                             pipeline_model_parallel_size=pp, pipeline_dtype=dtype, variable_seq_lengths=True,
+                             calculate_per_token_loss=True, use_cpu_initialization=True,
+                             gradient_accumulation_fusion=False,
+                             moe_token_dispatcher_type="alltoall", **interleaved)  # (its variable-length check; no MoE)
 
 
 class _ScheduleView(nn.Module):
-    """What megatron's schedule calls on a model: its config, model type and set_input_tensor."""
+    """What megatron's schedule calls on a model chunk: its config, model type and set_input_tensor;
+    `stage` says which of this rank's stages it runs."""
 
-    def __init__(self, config):
+    def __init__(self, config, stage: Stage):
         super().__init__()
         from megatron.core.enums import ModelType
 
-        self.config, self.model_type, self.input = config, ModelType.encoder_or_decoder, None
+        self.config, self.model_type, self.input, self.stage = config, ModelType.encoder_or_decoder, None, stage
 
     def set_input_tensor(self, tensors) -> None:
         self.input = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
@@ -109,6 +116,36 @@ def _gather_union(keys: set, what: str) -> set:
     return {k for stage in everyone for k in stage}
 
 
+def _send(t: torch.Tensor, peer: int) -> None:
+    header = torch.zeros(8, dtype=torch.int64)
+    header[0] = t.dim()
+    header[1:1 + t.dim()] = torch.tensor(t.shape)
+    collective("send(stage output shape)", dist.send, header, peer)
+    collective("send(stage output)", dist.send, t.contiguous(), peer)
+
+
+def _recv(peer: int, dtype: torch.dtype) -> torch.Tensor:
+    header = torch.zeros(8, dtype=torch.int64)
+    collective("recv(stage input shape)", dist.recv, header, peer)
+    t = torch.empty(header[1:1 + int(header[0])].tolist(), dtype=dtype)
+    collective("recv(stage input)", dist.recv, t, peer)
+    return t
+
+
+def _check_interleaved(lay, settings, virtual: int) -> None:
+    """What megatron-core's interleaved schedule needs, checked before any work (one sentence each)."""
+    micro = settings.global_batch_seqs // (settings.micro_batch_seqs * lay.dp)
+    if micro % lay.pp or micro < 2 * lay.pp:  # (at exactly pp, every micro batch is in the warm-up, and
+        # megatron-core 0.16's exchange of activation shapes deadlocks over gloo)
+        raise ValueError(f"parallel.virtual_stages={virtual} needs the micro batches per step and rank "
+                         f"(train.global_batch_seqs / (train.micro_batch_seqs x dp) = {micro}) to be a multiple of "
+                         f"parallel.pp={lay.pp} and at least 2 x parallel.pp")
+    if lay.pp == 2 and dist.get_backend(lay.pp_group) == "gloo":
+        raise ValueError(f"parallel.virtual_stages={virtual} with parallel.pp=2 is refused over gloo (CPU): "
+                         "megatron-core's interleaved schedule then batches a send and a receive with the same "
+                         "peer, which gloo pairs wrongly; use parallel.pp=4 or more, or NCCL")
+
+
 class PipelineEngine(Engine):
     """This rank's stage, trained with megatron-core's 1F1B schedule; data parallelism by an
     all-reduce of the stage's gradients after the schedule (parallel.data_parallel=ddp; megatron's
@@ -116,13 +153,16 @@ class PipelineEngine(Engine):
 
     name = "pipeline"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings, stage: Stage):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings, chunks: list[Stage]):
         lay = layout()
-        self.model, self.optimizer, self.settings, self.stage = model, optimizer, settings, stage
+        self.model, self.optimizer, self.settings, self.chunks = model, optimizer, settings, chunks
         self.wrapped = self.forward = model
         self.sp_params = sequence_parallel_params(model)
         self.tied = [p for p in model.parameters() if getattr(p, TIED, False)]
-        self.view = _ScheduleView(_schedule_config(lay.pp, next(model.parameters()).dtype))
+        config = _schedule_config(lay.pp, len(chunks), next(model.parameters()).dtype)
+        self.views = [_ScheduleView(config, c) for c in chunks]
+        if len(chunks) > 1:
+            _check_interleaved(lay, settings, len(chunks))
         self.state = FullState(PipelineState(LocalState(model, optimizer), model), model)
         self._forward_only = PipelineForward(self)
 
@@ -135,25 +175,28 @@ class PipelineEngine(Engine):
         return _gather_union(keys, "checkpoint keys of every stage")
 
     def describe(self) -> str:
-        lay, s = layout(), self.stage
+        lay = layout()
         dp = f", gradients averaged over {lay.dp} data-parallel ranks" if lay.dp > 1 else ""
-        return f"pipeline stage {lay.pp_rank + 1}/{lay.pp} (units {s.lo}..{s.hi - 1}), megatron-core 1F1B{dp}"
+        units = ", ".join(f"{c.lo}..{c.hi - 1}" for c in self.chunks)
+        schedule = "1F1B" if len(self.chunks) == 1 else f"interleaved 1F1B, {len(self.chunks)} stages per rank"
+        return f"pipeline rank {lay.pp_rank + 1}/{lay.pp} (units {units}), megatron-core {schedule}{dp}"
 
     def run(self, micro_batches: list, weights: torch.Tensor | None, ctx, autocast=nullcontext,
             forward_only: bool = False):
         """The schedule over the micro batches; returns (sum of weights[i] x loss_i and the weighted
         diagnostics, summed over the stages: the same on every rank; forward seconds of this stage)."""
-        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+        from megatron.core.pipeline_parallel.schedules import (forward_backward_pipelining_with_interleaving,
+                                                               forward_backward_pipelining_without_interleaving)
 
-        s, model, view = self.stage, self.model, self.view
+        model = self.model
         n = len(micro_batches)
         weights = torch.ones(n) if weights is None else weights
         loss_sum = torch.zeros((), dtype=torch.float32)
         sums: dict[str, torch.Tensor] = {}
         t_fwd = [0.0]
 
-        def step(data_iterator, _model):
-            i = next(data_iterator)
+        def step(data_iterator, view):
+            i, s = next(data_iterator), view.stage
             t0 = time.perf_counter()
             with autocast():
                 out, diag = model.run_stage(micro_batches[i], ctx, view.input, s.lo, s.hi, s.last)
@@ -172,10 +215,36 @@ class PipelineEngine(Engine):
             return out, loss_func
 
         with cpu_shim.scoped():  # the schedule makes a device="cuda" tensor (a no-op with a GPU)
-            forward_backward_pipelining_without_interleaving(
-                forward_step_func=step, data_iterator=iter(range(n)), model=view, num_microbatches=n,
-                seq_length=1, micro_batch_size=1, forward_only=forward_only)
+            if len(self.views) == 1:
+                forward_backward_pipelining_without_interleaving(
+                    forward_step_func=step, data_iterator=iter(range(n)), model=self.views[0], num_microbatches=n,
+                    seq_length=1, micro_batch_size=1, forward_only=forward_only)
+            elif forward_only and n < layout().pp:  # (the interleaved schedule needs pp micro batches at least)
+                self._forward_through_chunks(step, n)
+            else:
+                forward_backward_pipelining_with_interleaving(
+                    forward_step_func=step, data_iterator=[iter(range(n)) for _ in self.views], model=self.views,
+                    num_microbatches=n, seq_length=1, micro_batch_size=1, forward_only=forward_only)
         return self._reduce_over_stages(loss_sum, sums), t_fwd[0]
+
+    def _forward_through_chunks(self, step, n: int) -> None:
+        """Forward only, one micro batch after the other through the pp x v stages in order (evaluation
+        under the interleaved split): the owner of stage k runs it and sends its output to the owner of
+        stage k + 1, shape first."""
+        lay = layout()
+        peers = [dist.get_global_rank(lay.pp_group, r) for r in range(lay.pp)]
+        for i in range(n):
+            for k in range(lay.pp * len(self.views)):
+                if k % lay.pp != lay.pp_rank:
+                    continue
+                view = self.views[k // lay.pp]
+                view.input = None if view.stage.first else _recv(peers[(k - 1) % lay.pp], view.config.pipeline_dtype)
+                out, loss_func = step(iter([i]), view)
+                if loss_func is not None:  # the last stage: the loss is counted as the schedule counts it
+                    loss_func(out)
+                else:
+                    _send(out.detach(), peers[(k + 1) % lay.pp])
+
 
     def _reduce_over_stages(self, loss_sum: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
         """The loss (last stage) and each stage's diagnostics, summed over the pipeline group."""
@@ -225,11 +294,11 @@ class MegatronPipelineEngine(PipelineEngine):
 
     name = "pipeline-megatron"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings, stage: Stage):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, settings, chunks: list[Stage]):
         from parallel.megatron_ddp import MegatronEngine, MegatronState
 
-        super().__init__(model, optimizer, settings, stage)
-        if stage.last:
+        super().__init__(model, optimizer, settings, chunks)
+        if chunks[-1].last:
             for p in self.tied:
                 p.shared = True
         self.dp_engine = MegatronEngine(model, optimizer, settings)

@@ -36,11 +36,22 @@ class Stage:
 
     @classmethod
     def of(cls, boundaries: list[int]) -> "Stage":
+        return cls.chunks(boundaries, 1)[0]
+
+    @classmethod
+    def chunks(cls, boundaries: list[int], virtual: int) -> list["Stage"]:
+        """This rank's stages of a split into pp x virtual stages (the interleaved schedule's model
+        chunks: stages rank, rank + pp, ...); first / last: the model's first and last stage."""
         lay = layout()
-        if len(boundaries) != lay.pp + 1:
-            raise ValueError(f"a pipeline split has pp + 1 = {lay.pp + 1} boundaries, got {boundaries}")
-        r = lay.pp_rank
-        return cls(boundaries[r], boundaries[r + 1], lay.first_stage, lay.last_stage)
+        n = lay.pp * virtual
+        if len(boundaries) != n + 1:
+            raise ValueError(f"a pipeline split into {n} stages has {n + 1} boundaries, got {boundaries}")
+        return [cls(boundaries[k], boundaries[k + 1], k == 0, k == n - 1) for k in range(lay.pp_rank, n, lay.pp)]
+
+
+def units_of(chunks: list[Stage]) -> set[int]:
+    """The pipeline units a rank holding these stages runs."""
+    return {u for c in chunks for u in range(c.lo, c.hi)}
 
 
 def balanced_split(costs: list[float], pp: int) -> list[int]:

@@ -88,7 +88,7 @@ def dry_run(cfg, tp: int, pp: int, dp: int, shapes: bool = True) -> list[StageRe
                 stage = Stage(0, model.pipeline_units(), True, True)
                 if pp > 1:
                     stage = Stage.of(spec.pipeline_split(cfg.model, pp))
-                    model.keep_stage(stage.lo, stage.hi, stage.first, stage.last)
+                    model.keep_stage(range(stage.lo, stage.hi), stage.first, stage.last)
                 out = torch.empty(())
                 if shapes:
                     tokens = torch.zeros(mb, T, dtype=torch.long)

@@ -24,6 +24,9 @@ class ConfigError(ValueError):
 class ParallelConfig:
     tp: int = 1  # tensor-parallel size (megatron-core layers); the world is tp x data-parallel ranks
     pp: int = 1  # pipeline-parallel size
+    # pipeline stages per rank: > 1 cuts the model into pp x virtual_stages stages, rank r holding stages
+    # r, r + pp, ... (megatron-core's interleaved 1F1B: a bubble v times smaller, v times the messages)
+    virtual_stages: int = 1
     sp: bool = False  # sequence parallelism inside the TP group (needs tp > 1)
     data_parallel: str = "ddp"  # engine over data-parallel ranks: ddp (torch) | megatron | deepspeed
     zero_stage: int = 0  # DeepSpeed ZeRO stage 1, 2 or 3 (with data_parallel=deepspeed; 0 otherwise)
@@ -39,6 +42,11 @@ class ParallelConfig:
             raise ConfigError(f"parallel.tp must be >= 1, got {self.tp}")
         if self.pp < 1:
             raise ConfigError(f"parallel.pp must be >= 1, got {self.pp}")
+        if self.virtual_stages < 1:
+            raise ConfigError(f"parallel.virtual_stages must be >= 1, got {self.virtual_stages}")
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise ConfigError(f"parallel.virtual_stages={self.virtual_stages} interleaves pipeline stages: it needs "
+                              "parallel.pp > 1")
         if self.pp > 1 and self.data_parallel == "deepspeed":
             raise ConfigError(f"parallel.pp={self.pp} with parallel.data_parallel=deepspeed is not supported: "
                               "ZeRO reduces gradients inside DeepSpeed's own backward, which the pipeline schedule "
@@ -275,7 +283,7 @@ class RunConfig:
             raise ConfigError(f"parallel.recompute={self.parallel.recompute}: model.arch {spec.name!r} {offered}")
         if self.parallel.pp > 1:
             try:
-                spec.pipeline_split(self.model, self.parallel.pp)
+                spec.pipeline_split(self.model, self.parallel.pp * self.parallel.virtual_stages)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             if self.train.compile:

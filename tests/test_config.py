@@ -56,7 +56,7 @@ def test_the_rt_papers_warmup_cosine_schedule_loads_and_round_trips():
         (["parallel.tp=3"], r"parallel.tp=3 does not divide model.n_heads = 4"),
         (["parallel.tp=2", "model.n_kv_heads=1"], r"parallel.tp=2 does not divide model.n_kv_heads = 1"),
         (["model.n_kv_heads=3"], r"model.n_kv_heads 3 must divide model.n_heads 4 \(or be 0 for n_heads\)"),
-        (["parallel.pp=2", "model.n_layers=3"], "model.n_layers=3 does not split into parallel.pp=2 pipeline stages"),
+        (["parallel.pp=2", "model.n_layers=3"], "model.n_layers=3 does not split into 2 pipeline stages"),
         (["parallel.pp=0"], "parallel.pp must be >= 1, got 0"),
         (["parallel.sp=true"], "parallel.sp=true splits the sequence over the tensor-parallel group: it needs"),
         (["parallel.zero_stage=2"], "parallel.zero_stage=2 needs parallel.data_parallel=deepspeed"),

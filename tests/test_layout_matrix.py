@@ -32,6 +32,9 @@ LAYOUTS = {  # name: (ranks, overrides)
     "tp2xpp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
     "pp2xdp2": (4, ["parallel.pp=2"]),
     "pp4": (4, ["parallel.pp=4", "model.n_layers=4"]),  # middle stages: neither embedding nor head
+    # interleaved 1F1B: eight stages, two per rank (eight micro batches per step: a multiple of pp, twice it)
+    "pp4-vp2": (4, ["parallel.pp=4", "parallel.virtual_stages=2", "model.n_layers=8", "train.micro_batch_seqs=2",
+                    "train.global_batch_seqs=16"]),
     "pp2xdp2-megatron": (4, ["parallel.pp=2", "parallel.data_parallel=megatron"]),
     "pp2xdp2-distopt": (4, ["parallel.pp=2", "parallel.data_parallel=megatron", "parallel.distributed_optimizer=true"]),
 }
@@ -72,7 +75,8 @@ def _check(arch, layout, tmp_path, corpus):
         assert any(r in refused for r in reasons.values()), f"{arch} refuses {layout} without a registry reason: {refused}"
         return
     tmp = str(tmp_path)
-    model = [o for o in extra if o.startswith("model.")]  # the layout's model (e.g. depth for PP4) in both runs
+    # the layout's model (e.g. depth for PP4) and batch in both runs
+    model = [o for o in extra if o.startswith(("model.", "train."))]
     _, single = train_run(tmp, corpus, "single", 3, BASE + model, arch_config=_config(arch))
     params = {}  # every rank's view (a pipeline stage holds its own tensors; the others hold all)
     for held in run_ranks(_body, ranks, args=(tmp, corpus, arch, extra), env={"DS_ACCELERATOR": "cpu"}, timeout=600):

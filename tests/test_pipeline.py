@@ -130,7 +130,7 @@ def test_a_sigkill_under_pp2_resumes_bit_identical(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("over, sentence", [
-    (["model.n_layers=3"], "model.n_layers=3 does not split into parallel.pp=2 pipeline stages of equal depth"),
+    (["model.n_layers=3"], "model.n_layers=3 does not split into 2 pipeline stages of equal depth (parallel.pp x"),
     (["parallel.data_parallel=deepspeed", "parallel.zero_stage=1"],
      "parallel.pp=2 with parallel.data_parallel=deepspeed is not supported: ZeRO reduces"),
     (["train.compile=true"], "train.compile=true with parallel.pp=2 is not supported yet"),
@@ -150,7 +150,7 @@ def test_cart_stages_hold_the_core_with_all_its_passes():
     assert pipeline_split(CARTConfig(n_layers=2, n_loops=6), 2) == [0, 2, 4]  # prelude | core + coda
     assert pipeline_split(CARTConfig(n_layers=6, n_loops=2), 2) == [0, 4, 8]  # 4 layers | 2, the core, the coda
     assert balanced_split([1, 1, 1, 1], 4) == [0, 1, 2, 3, 4]
-    with pytest.raises(ValueError, match="too few for parallel.pp=5"):
+    with pytest.raises(ValueError, match="too few for 5 pipeline stages"):
         pipeline_split(CARTConfig(n_layers=2, n_loops=6), 5)
 
 
@@ -182,3 +182,48 @@ def test_a_non_finite_gradient_on_one_stage_skips_the_step_on_every_rank(tmp_pat
     assert [r[0] for r in results] == [1, 1], results
     assert all(all(finite.values()) for _, finite in results)
     assert [r["step"] for r in read_metrics(str(tmp_path / "nan"))] == [1, 2, 3, 4]
+
+
+INTERLEAVED = ["parallel.pp=4", "parallel.virtual_stages=2", "model.n_layers=8", "train.micro_batch_seqs=2",
+               "train.global_batch_seqs=16", "train.eval_every=3"]
+
+
+def _interleaved_body(rank, world, tmp, corpus, extra):
+    return train_run(tmp, corpus, "interleaved", 3, NO_COMPILE + extra)[1]
+
+
+def test_interleaved_stages_train_and_evaluate_as_one_process(tmp_path, corpus):
+    """PP4 with two stages per rank (megatron-core's interleaved 1F1B over eight stages; rank 0 holds
+    layers 0 and 4, the embedding, and the tied head's copy is on rank 3): the losses, the validation
+    loss (evaluated stage after stage outside the schedule) and every parameter equal one process."""
+    tmp = str(tmp_path)
+    model = [o for o in INTERLEAVED if not o.startswith("parallel.")]
+    _, single = train_run(tmp, corpus, "single", 3, NO_COMPILE + model)
+    held = {}
+    for part in run_ranks(_interleaved_body, 4, args=(tmp, corpus, INTERLEAVED), timeout=600):
+        held.update(part)
+    assert sorted(held) == sorted(single)
+    for k in single:
+        np.testing.assert_allclose(held[k], single[k], rtol=0, atol=PARAM_ATOL, err_msg=k)
+    got, want = read_metrics(f"{tmp}/interleaved"), read_metrics(f"{tmp}/single")
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=LOSS_REL)
+    assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=LOSS_REL)
+
+
+def _interleaved_refusal(rank, world, tmp, corpus, extra):
+    train_run(tmp, corpus, "refused", 2, NO_COMPILE + extra)
+
+
+@pytest.mark.parametrize("extra, sentence", [
+    (["parallel.pp=2", "parallel.virtual_stages=2", "model.n_layers=4", "train.micro_batch_seqs=1"],
+     "with parallel.pp=2 is refused over gloo"),
+    (["parallel.pp=2", "parallel.virtual_stages=2", "model.n_layers=4"],  # 8 / 4 = 2 micro batches per step
+     "(train.global_batch_seqs / (train.micro_batch_seqs x dp) = 2) to be a multiple of parallel.pp=2 and at least"),
+])
+def test_interleaved_stages_refuse_what_megatron_cannot_run_here(extra, sentence, tmp_path, corpus):
+    with pytest.raises(AssertionError) as e:
+        run_ranks(_interleaved_refusal, 2, args=(str(tmp_path), corpus, extra), timeout=300)
+    assert sentence in str(e.value)
+    with pytest.raises(ConfigError, match="parallel.virtual_stages=2 interleaves pipeline stages: it needs"):
+        load_config("baseline/tiny", tiny_overrides(tmp_path, "unused") + ["parallel.virtual_stages=2"],
+                    check_data=False)

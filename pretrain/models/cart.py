@@ -245,15 +245,15 @@ class CART(Decoder):
             return self.head.loss(self.norm(h), batch.labels, batch.loss_mask), diagnostics
         return h, diagnostics
 
-    def keep_stage(self, lo: int, hi: int, first: bool, last: bool) -> None:
+    def keep_stage(self, units, first: bool, last: bool) -> None:
         P = self.cfg.n_layers
-        drop_outside(self.prelude, lo, hi)
+        drop_outside(self.prelude, units)
         if not self.cfg.dense:
-            if not lo <= P < hi:  # the core unit: its block(s), the anchor projection, the blend and the gate
+            if P not in units:  # the core unit: its block(s), the anchor projection, the blend and the gate
                 for name in ("kv_proj", "core", "lie", "hyper", "a"):
                     if hasattr(self, name):
                         setattr(self, name, None)
-            if not lo <= P + 1 < hi:
+            if P + 1 not in units:
                 self.coda = NotOnThisStage()
         self.drop_ends(first, last)
 
@@ -437,7 +437,7 @@ def pipeline_split(cfg: CARTConfig, pp: int) -> list[int]:
     P = cfg.n_layers
     if P + 2 < pp:
         raise ValueError(f"CART has {P + 2} pipeline units at model.n_layers={P} (the prelude's layers, the core, "
-                         f"the coda): too few for parallel.pp={pp} stages")
+                         f"the coda): too few for {pp} pipeline stages (parallel.pp x parallel.virtual_stages)")
     return balanced_split([1.0] * P + [cfg.expected_loops(), 1.0], pp)
 
 

@@ -216,11 +216,12 @@ class Decoder(nn.Module):
     def pipeline_units(self) -> int:
         return len(self.applications())
 
-    def keep_stage(self, lo: int, hi: int, first: bool, last: bool) -> None:
-        """Drop what a pipeline stage running applications [lo, hi) does not run. The kept parameters
-        keep their single-device names; a head tied to the embedding keeps its own reference to the
-        weight on the last stage (the two copies' gradients are summed by the pipeline engine)."""
-        drop_outside(self.blocks, lo, hi)
+    def keep_stage(self, units, first: bool, last: bool) -> None:
+        """Drop what a pipeline rank running the block applications `units` (a range, or a set under the
+        interleaved schedule) does not run. The kept parameters keep their single-device names; a head
+        tied to the embedding keeps its own reference to the weight on the last stage (the two copies'
+        gradients are summed by the pipeline engine)."""
+        drop_outside(self.blocks, units)
         self.drop_ends(first, last)
 
     def drop_ends(self, first: bool, last: bool) -> None:
@@ -251,10 +252,10 @@ class Decoder(nn.Module):
         return self.head.logits(self.hidden(tokens, positions, None, state)), state
 
 
-def drop_outside(blocks: nn.ModuleList, lo: int, hi: int, offset: int = 0) -> None:
-    """Replace the blocks of units outside [lo, hi) (block i is unit offset + i) by placeholders."""
+def drop_outside(blocks: nn.ModuleList, units, offset: int = 0) -> None:
+    """Replace the blocks of units not in `units` (block i is unit offset + i) by placeholders."""
     for i in range(len(blocks)):
-        if not lo <= offset + i < hi:
+        if offset + i not in units:
             blocks[i] = NotOnThisStage()
 
 
@@ -262,7 +263,8 @@ def pipeline_split(cfg, pp: int) -> list[int]:
     """Stage boundaries of a decoder (its registry `pipeline_split`): n_layers blocks in pp equal runs."""
     L = cfg.n_layers
     if L % pp:
-        raise ValueError(f"model.n_layers={L} does not split into parallel.pp={pp} pipeline stages of equal depth")
+        raise ValueError(f"model.n_layers={L} does not split into {pp} pipeline stages of equal depth (parallel.pp x "
+                         "parallel.virtual_stages)")
     return [i * L // pp for i in range(pp + 1)]
 
 

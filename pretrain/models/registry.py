@@ -104,8 +104,9 @@ class ArchSpec:
     serial_loop: Callable[[Any, int], tuple[int, float] | None] | None = None
     # Pipeline stages (parallel/pipeline.py): pipeline_split(cfg, pp) -> pp + 1 boundaries over the
     # model's pipeline units (its `pipeline_units()`; ValueError, one sentence, when they do not split);
-    # the model runs a stage with run_stage(batch, ctx, h, lo, hi, last) and drops the rest with
-    # keep_stage(lo, hi, first, last). Support.pp must be set with it.
+    # the model runs a stage with run_stage(batch, ctx, h, lo, hi, last) and drops the units a rank does
+    # not run with keep_stage(units, first, last) (units: a range, or under the interleaved schedule the
+    # set of its stages' units). Support.pp must be set with it.
     pipeline_split: Callable[[Any, int], list] | None = None
     # Activation recompute policies (parallel/recompute.py): {policy name: policy}, the first being the
     # recommended one (`parallel.recompute=full`); a single policy is the one policy "full". A policy is
