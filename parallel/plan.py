@@ -59,10 +59,14 @@ def state_bytes(n: int, k: int, engine: str, dp: int) -> StateBytes:
     raise ValueError(f"unknown engine {engine!r}; one of {', '.join(ENGINES)}")
 
 
-def in_flight(pp: int, stage: int, micro_batches: int) -> int:
-    """Micro batches whose activations a stage holds at once under 1F1B: pp - stage (its warm-up
-    forwards and the one in its steady state), at most the step's micro batches."""
-    return max(1, min(pp - stage, micro_batches))
+def in_flight(pp: int, stage: int, micro_batches: int, virtual: int = 1) -> float:
+    """Micro batches whose activations a pipeline rank holds at once, in units of a micro batch through
+    all of the rank's units. 1F1B: pp - stage (its warm-up forwards and the one in its steady state), at
+    most the step's micro batches. Interleaved (v stages per rank, each 1/v of its units): megatron's
+    warm-up of (pp - stage - 1) x 2 + (v - 1) x pp stage-micro-batches and one more, over v."""
+    if virtual == 1:
+        return max(1, min(pp - stage, micro_batches))
+    return min((pp - stage - 1) * 2 + (virtual - 1) * pp + 1, virtual * micro_batches) / virtual
 
 
 # -- step time ----------------------------------------------------------------------------------
@@ -134,15 +138,16 @@ class StepEstimate:
 def step_time(hw: Hardware, *, flops_per_token: float, tokens_per_step: int, gpus: int, d_model: int, layers: int,
               tp: int, pp: int, dp: int, micro_batches: int, micro_tokens: int, params_per_rank: int,
               recompute: bool, engine: str, act_bytes: int = 2, serial_steps: int = 0,
-              serial_flops_per_token: float = 0.0) -> StepEstimate:
+              serial_flops_per_token: float = 0.0, virtual: int = 1) -> StepEstimate:
     """The formulas `pretrain plan --help` states:
       compute  = (F - Fs + Fs / kappa) x tokens_per_step / gpus / (peak x eta(d / tp)), x 4/3 with recompute
                  (one more forward); + M x S / pp x (2 passes, 3 with recompute) x step_s
                  (Fs, S: the FLOPs per token run inside a position-serial loop and its steps per micro batch,
                  the architecture's registry serial_loop; 0 for a model that runs every position at once)
-      bubble   = compute x (pp - 1) / M                      (1F1B: M micro batches per step and stage)
+      bubble   = compute x (pp - 1) / (v M)                  (1F1B: M micro batches per step and stage; v
+                 stages per rank under the interleaved schedule, 1 otherwise)
       tp comm  = M x L/pp x (4, 6 with recompute) all-reduces of b T d x act_bytes, ring 2 (tp-1)/tp over NVLink
-      pp comm  = M x 2 sends of b T d x act_bytes per stage boundary (NVLink in a node, else the network)
+      pp comm  = v x M x 2 sends of b T d x act_bytes per stage boundary (NVLink in a node, else the network)
       dp comm  = 2 (dp-1)/dp x 4 bytes x params_per_rank over NVLink when tp x dp ranks fit a node, else the
                  network; half of it hidden behind the backward (DDP's buckets), none under pipeline stages
                  (their gradients are reduced after the schedule)."""
@@ -150,13 +155,13 @@ def step_time(hw: Hardware, *, flops_per_token: float, tokens_per_step: int, gpu
     flops = work * tokens_per_step / gpus * (4 / 3 if recompute else 1.0)
     compute = flops / (hw.peak_tflops * 1e12 * efficiency(hw, d_model / tp))
     compute += micro_batches * serial_steps / pp * (3 if recompute else 2) * SERIAL_STEP_S
-    bubble = compute * (pp - 1) / micro_batches
+    bubble = compute * (pp - 1) / (virtual * micro_batches)
     message = micro_tokens * d_model * act_bytes
     tp_comm = 0.0
     if tp > 1:
         tp_comm = micro_batches * layers / pp * (6 if recompute else 4) * 2 * (tp - 1) / tp * message / (hw.nvlink_gbs * 1e9)
     pp_link = hw.nvlink_gbs if tp * dp * pp <= hw.gpus_per_node else hw.network_gbs
-    pp_comm = micro_batches * 2 * message / (pp_link * 1e9) if pp > 1 else 0.0
+    pp_comm = virtual * micro_batches * 2 * message / (pp_link * 1e9) if pp > 1 else 0.0
     dp_link = hw.nvlink_gbs if tp * dp <= hw.gpus_per_node else hw.network_gbs
     dp_comm = 2 * (dp - 1) / dp * 4 * params_per_rank / (dp_link * 1e9) if dp > 1 else 0.0
     if engine == "zero3":  # the parameters are gathered again for the forward and for the backward

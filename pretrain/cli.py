@@ -39,7 +39,8 @@ Bytes per rank (fp32 parameters, AdamW), by parallel.data_parallel:
   ZeRO-1 / 2 / 3:           optimizer 12n/dp; ZeRO-2 also gradients 4n/dp; ZeRO-3 also weights 4n/dp
 with n the rank's parameters (1/tp of a split matrix, its stage's units). Activations: the
 architecture's activation_bytes (per micro batch at its recompute policy) x the stage's share of the
-units / tp x the micro batches 1F1B keeps in flight on it (pp - stage), halved under bf16; 2 GiB reserved.
+units / tp x the micro batches 1F1B keeps in flight on it (pp - stage; interleaved with v stages per rank:
+((pp - stage - 1) x 2 + (v - 1) x pp + 1) / v, megatron's warm-up), halved under bf16; 2 GiB reserved.
 
 --gpus N: every tp (dividing the GPUs, at most a node's 8) x pp x dp layout, engine, recompute policy
 and micro batch the config validates under, with (F the architecture's FLOPs per token, M micro
@@ -49,9 +50,10 @@ batches per step and stage, b T d a micro batch's activations):
             + M x S/pp x 2 passes (3 with recompute) x step_s for an architecture whose registry
             serial_loop runs S dependent position steps per micro batch holding Fs FLOPs per token
             (RT, GPN); step_s ~ 55 us and kappa ~ 0.23 are fitted to RT's published layer latencies
-  bubble  = compute x (pp - 1) / M
+  bubble  = compute x (pp - 1) / (v M), v = parallel.virtual_stages (tried as 1 and, where the split and
+            M allow it, 2: the vp column)
   tp comm = M x L/pp x 4 all-reduces (6 with recompute) of b T d bf16, ring 2 (tp-1)/tp, NVLink
-  pp comm = M x 2 sends of b T d bf16 per stage (NVLink in a node, else the network)
+  pp comm = v x M x 2 sends of b T d bf16 per stage (NVLink in a node, else the network)
   dp comm = 2 (dp-1)/dp x 4n bytes (NVLink when tp x dp fit a node, else the network; x2 for ZeRO-3),
             half hidden behind the backward, none under pipeline stages
   MFU     = F x tokens/s per GPU / peak

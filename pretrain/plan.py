@@ -73,6 +73,9 @@ def dry_run(cfg, tp: int, pp: int, dp: int, shapes: bool = True) -> list[StageRe
     parallel = replace(cfg.parallel, tp=tp, pp=pp)
     cfg = replace(cfg, parallel=parallel, train=replace(cfg.train, compile=False))  # nothing runs compiled here
     cfg.validate(check_data=False)
+    if cfg.parallel.virtual_stages > 1:
+        raise ValueError(f"pretrain plan --dry-run builds one stage per pipeline rank; parallel.virtual_stages="
+                         f"{cfg.parallel.virtual_stages} (interleaved) is not dry-run yet: the --gpus table estimates it")
     spec = get_arch(cfg.model.arch)
     mb, T = cfg.train.micro_batch_seqs, cfg.data.seq_len
     micro_batches = cfg.train.global_batch_seqs // (mb * dp)
@@ -171,6 +174,7 @@ class Candidate:
     mfu: float
     fits: bool = False
     micro_batch: int = 0
+    virtual: int = 1  # parallel.virtual_stages
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -199,7 +203,8 @@ def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], 
             for engine, fields in engines.items():
                 for policy in policies:
                     parallel = replace(cfg.parallel, **{"tp": tp, "pp": pp, "recompute": policy, "data_parallel": "ddp",
-                                                        "distributed_optimizer": False, "zero_stage": 0, **fields})
+                                                        "distributed_optimizer": False, "zero_stage": 0,
+                                                        "virtual_stages": 1, **fields})
                     trial = replace(cfg, parallel=parallel, train=replace(cfg.train, compile=False))
                     try:
                         trial.validate(check_data=False)
@@ -210,10 +215,25 @@ def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], 
                         inventory[(tp, pp)] = dry_run(replace(trial, train=replace(trial.train, micro_batch_seqs=1)),
                                                       tp, pp, dp, shapes=False)
                     for mb in _divisors(cfg.train.global_batch_seqs // dp, 64):  # the micro batch is free too
-                        out.append(_candidate(cfg, spec, hw, memory_gib, inventory[(tp, pp)], parallel, dp, mb, flops,
-                                              gpus))
+                        M = cfg.train.global_batch_seqs // (mb * dp)
+                        for v in _virtual_options(spec, cfg.model, pp, M):
+                            out.append(_candidate(cfg, spec, hw, memory_gib, inventory[(tp, pp)],
+                                                  replace(parallel, virtual_stages=v), dp, mb, flops, gpus))
     out.sort(key=lambda c: (not c.fits, -c.tokens_per_s_per_gpu))
     return out, refused
+
+
+def _virtual_options(spec, model_cfg, pp: int, M: int) -> list[int]:
+    """1, and 2 where the interleaved schedule can run: the model splits into 2 pp stages, and M is a
+    multiple of pp and at least 2 pp (parallel/pipeline.py). A rank's bytes are taken from the 1F1B split
+    (the same units per rank for equal layers; approximate for CART's cost-balanced split)."""
+    if pp == 1 or M % pp or M < 2 * pp:
+        return [1]
+    try:
+        spec.pipeline_split(model_cfg, 2 * pp)
+    except ValueError:
+        return [1]
+    return [1, 2]
 
 
 def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], parallel, dp: int, mb: int, flops: float,
@@ -229,7 +249,7 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
         act = 0.0
         if known:
             act = spec.activation_bytes(cfg.model, T, mb, policy) * r.act_fraction / tp
-            act *= in_flight(pp, r.stage, M) * (0.5 if bf16 else 1.0)
+            act *= in_flight(pp, r.stage, M, parallel.virtual_stages) * (0.5 if bf16 else 1.0)
         worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
     serial = spec.serial_loop(cfg.model, T) if spec.serial_loop else None
     steps, serial_flops = serial or (0, 0.0)
@@ -237,10 +257,10 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
                     d_model=cfg.model.d_model, layers=getattr(cfg.model, "n_layers", 1), tp=tp, pp=pp, dp=dp,
                     micro_batches=M, micro_tokens=mb * T, params_per_rank=max(r.params for r in stages),
                     recompute=policy != "none", engine=engine_of(parallel), serial_steps=steps,
-                    serial_flops_per_token=serial_flops)
+                    serial_flops_per_token=serial_flops, virtual=parallel.virtual_stages)
     tps = cfg.tokens_per_step / est.total_s / gpus
     c = Candidate(tp, pp, dp, engine_of(parallel), policy, M, worst, known, est, tps, flops * tps / (hw.peak_tflops * 1e12))
-    c.micro_batch = mb
+    c.micro_batch, c.virtual = mb, parallel.virtual_stages
     c.fits = worst + RESERVE_GIB * 2**30 <= memory_gib * 2**30
     return c
 
@@ -257,19 +277,20 @@ def plan_lines(cfg, gpus: int, gpu: str, memory_gib: float | None, top: int = 12
     lines = [f"plan for {cfg.model.arch} ({n:,} parameters) on {gpus} x {hw.name} ({memory_gib:g} GiB each, "
              f"{-(-gpus // hw.gpus_per_node)} node(s)): T={cfg.data.seq_len}, micro batch {cfg.train.micro_batch_seqs}, "
              f"{cfg.tokens_per_step:,} tokens per step; {len(found)} layouts in {time.perf_counter() - t0:.1f} s",
-             f"{'tp':>3} {'pp':>3} {'dp':>4} {'engine':>17} {'recompute':>9} {'mb':>3} {'M':>4} {'GiB/GPU':>8} {'fits':>4} "
+             f"{'tp':>3} {'pp':>3} {'vp':>2} {'dp':>4} {'engine':>17} {'recompute':>9} {'mb':>3} {'M':>4} {'GiB/GPU':>8} {'fits':>4} "
              f"{'tokens/s/GPU':>13} {'MFU':>6} {'step s':>7}  compute / bubble / tp / pp / dp comm s"]
     for c in found[:top]:
         s = c.step
         gib = f"{c.memory / 2**30:.1f}" + ("" if c.activations_known else "+?")
-        lines.append(f"{c.tp:>3} {c.pp:>3} {c.dp:>4} {c.engine:>17} {c.recompute:>9} {c.micro_batch:>3} {c.micro_batches:>4} {gib:>8} "
+        lines.append(f"{c.tp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4} {c.engine:>17} {c.recompute:>9} {c.micro_batch:>3} {c.micro_batches:>4} {gib:>8} "
                      f"{'yes' if c.fits else 'no':>4} {c.tokens_per_s_per_gpu:>13,.0f} {c.mfu:>6.1%} {s.total_s:>7.2f}  "
                      f"{s.compute_s:.2f} / {s.bubble_s:.2f} / {s.tp_comm_s:.2f} / {s.pp_comm_s:.2f} / {s.dp_comm_s:.2f}")
     best = next((c for c in found if c.fits), None)
     if best is None:
         lines.append("no layout fits: raise the GPU count, lower train.micro_batch_seqs or turn on parallel.recompute")
     else:
-        lines.append(f"proposed: parallel.tp={best.tp} parallel.pp={best.pp} train.micro_batch_seqs={best.micro_batch} "
+        vp = f" parallel.virtual_stages={best.virtual}" if best.virtual > 1 else ""
+        lines.append(f"proposed: parallel.tp={best.tp} parallel.pp={best.pp}{vp} train.micro_batch_seqs={best.micro_batch} "
                      f"(dp {best.dp}) with {best.engine}, parallel.recompute={best.recompute}: "
                      f"{best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
                      f"MFU {best.mfu:.1%} (predicted)")
@@ -293,7 +314,8 @@ def predict(cfg, gpus: int, gpu: str, engine: str = "ddp") -> Candidate:
               **{f"zero{z}": {"data_parallel": "deepspeed", "zero_stage": z} for z in (1, 2, 3)}}[engine]
     parallel = replace(cfg.parallel, **fields)
     dp = gpus // (tp * pp)
-    trial = replace(cfg, parallel=parallel, train=replace(cfg.train, compile=False, micro_batch_seqs=1))
+    trial = replace(cfg, parallel=replace(parallel, virtual_stages=1),
+                    train=replace(cfg.train, compile=False, micro_batch_seqs=1))
     stages = dry_run(trial, tp, pp, dp, shapes=False)
     spec = get_arch(cfg.model.arch)
     return _candidate(cfg, spec, hw, hw.memory_gib, stages, parallel, dp, cfg.train.micro_batch_seqs,

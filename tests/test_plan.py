@@ -224,3 +224,22 @@ def test_a_position_serial_loop_pays_its_latency_per_micro_batch(micro):
     _, t_whole = at("rt/t-300m-12l", 512)
     _, t_small = at("rt/t-300m-12l", micro)
     assert t_small.step.compute_s == pytest.approx(t_whole.step.compute_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("pp, virtual, M", [(2, 1, 8), (4, 1, 2), (4, 2, 8), (8, 2, 16), (4, 3, 12), (4, 2, 4)])
+def test_the_planners_micro_batches_in_flight_are_megatrons_warm_up(pp, virtual, M):
+    """in_flight x v - 1 (the steady state's one forward taken off) is the warm-up megatron-core's
+    schedules run on each pipeline rank, capped at the step's forwards."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("megatron.core")
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    from parallel.plan import in_flight
+
+    for rank in range(pp):
+        group = SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r)
+        p2p = SimpleNamespace(pp_group=group, virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None)
+        total, all_warm, warm, _ = get_pp_rank_microbatches(M, virtual, pp, p2p_communicator=p2p)
+        expected = total if all_warm else warm + 1
+        assert in_flight(pp, rank, M, virtual) * virtual == min(expected, total), (rank, warm, total)
