@@ -117,17 +117,18 @@ def _gather_union(keys: set, what: str) -> set:
 
 
 def _send(t: torch.Tensor, peer: int) -> None:
-    header = torch.zeros(8, dtype=torch.int64)
+    """A tensor of any shape (up to 7 dimensions) to `peer`: its shape first, on its device (NCCL needs it)."""
+    header = torch.zeros(8, dtype=torch.int64, device=t.device)
     header[0] = t.dim()
     header[1:1 + t.dim()] = torch.tensor(t.shape)
     collective("send(stage output shape)", dist.send, header, peer)
     collective("send(stage output)", dist.send, t.contiguous(), peer)
 
 
-def _recv(peer: int, dtype: torch.dtype) -> torch.Tensor:
-    header = torch.zeros(8, dtype=torch.int64)
+def _recv(peer: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(8, dtype=torch.int64, device=device)
     collective("recv(stage input shape)", dist.recv, header, peer)
-    t = torch.empty(header[1:1 + int(header[0])].tolist(), dtype=dtype)
+    t = torch.empty(header[1:1 + int(header[0])].tolist(), dtype=dtype, device=device)
     collective("recv(stage input)", dist.recv, t, peer)
     return t
 
@@ -231,20 +232,20 @@ class PipelineEngine(Engine):
         """Forward only, one micro batch after the other through the pp x v stages in order (evaluation
         under the interleaved split): the owner of stage k runs it and sends its output to the owner of
         stage k + 1, shape first."""
-        lay = layout()
+        lay, device = layout(), next(self.model.parameters()).device
         peers = [dist.get_global_rank(lay.pp_group, r) for r in range(lay.pp)]
         for i in range(n):
             for k in range(lay.pp * len(self.views)):
                 if k % lay.pp != lay.pp_rank:
                     continue
                 view = self.views[k // lay.pp]
-                view.input = None if view.stage.first else _recv(peers[(k - 1) % lay.pp], view.config.pipeline_dtype)
+                view.input = None if view.stage.first else \
+                    _recv(peers[(k - 1) % lay.pp], view.config.pipeline_dtype, device)
                 out, loss_func = step(iter([i]), view)
                 if loss_func is not None:  # the last stage: the loss is counted as the schedule counts it
                     loss_func(out)
                 else:
                     _send(out.detach(), peers[(k + 1) % lay.pp])
-
 
     def _reduce_over_stages(self, loss_sum: torch.Tensor, sums: dict) -> tuple[torch.Tensor, dict]:
         """The loss (last stage) and each stage's diagnostics, summed over the pipeline group."""
