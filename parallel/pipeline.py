@@ -34,12 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel import cpu_shim
+from parallel.data_parallel import accumulation_steps
 from parallel.dist import collective
 from parallel.engine import Engine, FullState
 from parallel.grads import all_reduce_flat, all_reduce_tp_grads, grad_square_sum
 from parallel.layers import sequence_parallel_params
 from parallel.mesh import layout
-from parallel.stages import TIED, Stage
+from parallel.stages import TIED, Stage, interleaving_accepts
 from parallel.state import LocalState
 
 def _schedule_config(pp: int, virtual: int, dtype: torch.dtype):
@@ -135,9 +136,8 @@ def _recv(peer: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def _check_interleaved(lay, settings, virtual: int) -> None:
     """What megatron-core's interleaved schedule needs, checked before any work (one sentence each)."""
-    micro = settings.global_batch_seqs // (settings.micro_batch_seqs * lay.dp)
-    if micro % lay.pp or micro < 2 * lay.pp:  # (at exactly pp, every micro batch is in the warm-up, and
-        # megatron-core 0.16's exchange of activation shapes deadlocks over gloo)
+    micro = accumulation_steps(settings.global_batch_seqs, settings.micro_batch_seqs, lay.dp)
+    if not interleaving_accepts(lay.pp, micro):
         raise ValueError(f"parallel.virtual_stages={virtual} needs the micro batches per step and rank "
                          f"(train.global_batch_seqs / (train.micro_batch_seqs x dp) = {micro}) to be a multiple of "
                          f"parallel.pp={lay.pp} and at least 2 x parallel.pp")
@@ -177,10 +177,14 @@ class PipelineEngine(Engine):
 
     def describe(self) -> str:
         lay = layout()
-        dp = f", gradients averaged over {lay.dp} data-parallel ranks" if lay.dp > 1 else ""
         units = ", ".join(f"{c.lo}..{c.hi - 1}" for c in self.chunks)
         schedule = "1F1B" if len(self.chunks) == 1 else f"interleaved 1F1B, {len(self.chunks)} stages per rank"
-        return f"pipeline rank {lay.pp_rank + 1}/{lay.pp} (units {units}), megatron-core {schedule}{dp}"
+        return f"pipeline rank {lay.pp_rank + 1}/{lay.pp} (units {units}), megatron-core {schedule}{self._data_parallel()}"
+
+    def _data_parallel(self) -> str:
+        """The start line's words for how the stage's gradients are reduced over data-parallel ranks."""
+        lay = layout()
+        return f", gradients averaged over {lay.dp} data-parallel ranks" if lay.dp > 1 else ""
 
     def run(self, micro_batches: list, weights: torch.Tensor | None, ctx, autocast=nullcontext,
             forward_only: bool = False):
@@ -220,7 +224,7 @@ class PipelineEngine(Engine):
                 forward_backward_pipelining_without_interleaving(
                     forward_step_func=step, data_iterator=iter(range(n)), model=self.views[0], num_microbatches=n,
                     seq_length=1, micro_batch_size=1, forward_only=forward_only)
-            elif forward_only and n < layout().pp:  # (the interleaved schedule needs pp micro batches at least)
+            elif forward_only:  # (evaluation: one micro batch, fewer than the interleaved schedule accepts)
                 self._forward_through_chunks(step, n)
             else:
                 forward_backward_pipelining_with_interleaving(
@@ -306,8 +310,8 @@ class MegatronPipelineEngine(PipelineEngine):
         self.optimizer = self.dp_engine.optimizer
         self.state = FullState(PipelineState(MegatronState(self.dp_engine), model), model)
 
-    def describe(self) -> str:
-        return super().describe().split(", gradients")[0] + ", " + self.dp_engine.describe()
+    def _data_parallel(self) -> str:
+        return ", " + self.dp_engine.describe()
 
     def finish_grads(self, max_norm: float) -> torch.Tensor:
         tied = [p.main_grad for p in self.tied]

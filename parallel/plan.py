@@ -119,7 +119,7 @@ def fit_serial_constants(hw_name: str = "h100") -> tuple[float, float]:
     return intercept / T, kappa
 
 
-SERIAL_STEP_S, SERIAL_KAPPA = fit_serial_constants()  # about 53 us per step and 0.23
+SERIAL_STEP_S, SERIAL_KAPPA = fit_serial_constants()  # about 55 us per step and 0.23
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,14 @@ class Stage:
         return [cls(boundaries[k], boundaries[k + 1], k == 0, k == n - 1) for k in range(lay.pp_rank, n, lay.pp)]
 
 
+def interleaving_accepts(pp: int, micro_batches: int) -> bool:
+    """Whether megatron-core's interleaved schedule runs `micro_batches` per step over pp ranks here (the
+    engine refuses otherwise, the planner skips such candidates): a multiple of pp, and at least 2 pp (at
+    exactly pp every micro batch is in the warm-up, and megatron-core 0.16's exchange of activation
+    shapes deadlocks over gloo)."""
+    return micro_batches % pp == 0 and micro_batches >= 2 * pp
+
+
 def units_of(chunks: list[Stage]) -> set[int]:
     """The pipeline units a rank holding these stages runs."""
     return {u for c in chunks for u in range(c.lo, c.hi)}

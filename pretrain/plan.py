@@ -224,10 +224,12 @@ def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], 
 
 
 def _virtual_options(spec, model_cfg, pp: int, M: int) -> list[int]:
-    """1, and 2 where the interleaved schedule can run: the model splits into 2 pp stages, and M is a
-    multiple of pp and at least 2 pp (parallel/pipeline.py). A rank's bytes are taken from the 1F1B split
-    (the same units per rank for equal layers; approximate for CART's cost-balanced split)."""
-    if pp == 1 or M % pp or M < 2 * pp:
+    """1, and 2 where the interleaved schedule can run: the model splits into 2 pp stages, and the engine
+    accepts M micro batches (parallel.stages.interleaving_accepts). A rank's bytes are taken from the 1F1B
+    split (the same units per rank for equal layers; approximate for CART's cost-balanced split)."""
+    from parallel.stages import interleaving_accepts
+
+    if pp == 1 or not interleaving_accepts(pp, M):
         return [1]
     try:
         spec.pipeline_split(model_cfg, 2 * pp)
