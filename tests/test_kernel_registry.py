@@ -75,7 +75,9 @@ def test_environment_forces_per_op_and_bad_values_are_one_sentence():
             "a.attention(x, x, x, a.causal()); print(kernels.describe_paths_used())")
     assert run(code, PRETRAIN_KERNELS="attention=reference")[:2] == (0, "attention reference")
     assert run(code, PRETRAIN_KERNELS="")[:2] == (0, "attention sdpa")
-    rc, _, err = run(code, PRETRAIN_KERNELS="attention=triton")
-    assert rc == 1 and "PRETRAIN_KERNELS='triton' is not an attention path; choose one of sdpa, reference" in err[0]
+    rc, _, err = run(code, PRETRAIN_KERNELS="attention=cudnn")
+    assert rc == 1 and "PRETRAIN_KERNELS='cudnn' is not an attention path; choose one of flex, triton, sdpa" in err[0]
+    rc, _, err = run(code, PRETRAIN_KERNELS="attention=triton")  # a CUDA kernel forced on the CPU
+    assert rc == 1 and "the attention path 'triton' (forced by PRETRAIN_KERNELS) cannot serve this call" in err[0]
     rc, _, err = run(code, PRETRAIN_KERNELS="attention")
     assert rc == 1 and "each entry must be op=path" in err[0]

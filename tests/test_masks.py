@@ -123,7 +123,7 @@ def test_an_architectures_own_mask_runs_on_every_path():
     strided = masks.Mask(lambda b, h, qi, kv: (qi - kv) % 3 == 0, "strided")
     mask = masks.causal() & strided
     outs = []
-    for path in attn.PATHS:
+    for path in attn.GENERAL_PATHS:
         attn.use_path(path)
         out = attn.attention(q, k, v, mask)
         outs.append([out] + list(torch.autograd.grad(out.square().sum(), (q, k, v))))

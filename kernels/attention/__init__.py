@@ -11,25 +11,47 @@ training, prefill and decode. A caller whose cache keeps only the last keys (a s
 the offset into that trimmed cache: causal and window masks depend only on relative positions.
 `alibi_slopes` [H] adds ALiBi's -slope_h * |i - j| to the scores.
 
-Paths (kernels/registry.py): "sdpa" (torch's scaled_dot_product_attention, every device; picked
-automatically) and "reference" (the naive definition in reference.py; only when forced). Fast
-kernels (Triton, FlexAttention) register here with a capability check and are tested against the
-reference. Force one with PRETRAIN_KERNELS=attention=<path> (or the older PRETRAIN_ATTENTION=<path>),
-or use_path(name) in code; paths_used() names the paths that ran since reset_paths_used().
+Paths (kernels/registry.py), picked per call by priority among those whose capability check accepts
+the call (devices, dtypes, shapes, whether autograd needs a backward: Python values, never tensor data):
+    "flex"       FlexAttention, compiled (flex.py): CUDA for training and inference; CPU for forwards
+                 that need no backward, from flex.FLEX_MIN_KEYS keys on (evaluation, prefill)
+    "triton"     block-sparse flash attention from the mask's column runs (triton_path.py,
+                 triton_kernels.py): CUDA; on a CPU only forced, under TRITON_INTERPRET=1 (the tests)
+    "sdpa"       torch's scaled_dot_product_attention with the dense mask (sdpa.py): every device and
+                 every call (ALiBi, dropout), and plain causal attention, where its own causal kernels
+                 need no mask and are the fastest
+    "reference"  the naive definition (reference.py): only when forced
+The block-sparse paths skip plain causal masks (SDPA's causal kernels win there) unless forced. Force
+one with PRETRAIN_KERNELS=attention=<path> (or the older PRETRAIN_ATTENTION=<path>), or use_path(name)
+in code; paths_used() names the paths that ran since reset_paths_used().
 """
 from __future__ import annotations
 
 from torch import Tensor
 
 from kernels import registry
-from kernels.attention import masks, reference, sdpa
-from kernels.attention.masks import Mask, causal, decoder_mask, document, full, prefix, window
+from kernels.attention import flex, masks, reference, sdpa, triton_path
+from kernels.attention.masks import Mask, causal, decoder_mask, document, full, is_causal, prefix, window
 from kernels.attention.reference import document_causal_mask
 
 OP = registry.op("attention", legacy_env="PRETRAIN_ATTENTION")
+
+
+def _block_sparse(capable, name):
+    """A block-sparse path's check: its own, and not plain causal attention unless forced."""
+    def check(q, k, v, mask, offset=0, *rest, **kw):
+        forced = OP.forced == name
+        return (forced or not is_causal(mask, q.shape[-2], k.shape[-2], offset)) and capable(
+            q, k, v, mask, offset, *rest, **kw, **({"forced": forced} if name == "triton" else {}))
+    return check
+
+
+OP.register("flex", flex.attention, _block_sparse(flex.capable, "flex"), priority=30)
+OP.register("triton", triton_path.attention, _block_sparse(triton_path.capable, "triton"), priority=20)
 OP.register("sdpa", sdpa.attention, priority=10)
 OP.register("reference", reference.attention, auto=False)
 PATHS = tuple(OP.paths)
+GENERAL_PATHS = ("sdpa", "reference")  # the paths that serve every call on every device (float64, ALiBi, backward on CPU)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
@@ -53,5 +75,5 @@ def reset_paths_used() -> None:
     registry.reset_paths_used()
 
 
-__all__ = ["Mask", "PATHS", "attention", "causal", "decoder_mask", "document", "document_causal_mask", "full",
+__all__ = ["GENERAL_PATHS", "Mask", "PATHS", "attention", "causal", "decoder_mask", "document", "document_causal_mask", "full",
            "masks", "paths_used", "prefix", "reset_paths_used", "use_path", "window"]

@@ -21,6 +21,9 @@ An architecture defines its own in its own file: `Mask(lambda b, h, q, kv: ..., 
 Two more views serve the fast paths: `dense(...)`, the same boolean mask built the fast way where a
 built-in knows one (SDPA's explicit mask: tril for causal, an outer comparison for documents), and
 `empty_tiles(...)`, which (query block, key block) tiles hold no visible pair, for block-sparse kernels.
+The block-sparse kernels read a third view, per key column the runs of queries that see it
+(kernels/attention/runs.py): `runs` bounds how many a column holds (None: unknown), and
+`closed_runs(...)` builds them without the dense mask where a built-in knows how.
 `simplify(Tq, Tk, offset)` drops parts that are true everywhere at this shape (a window wider than the
 sequence), so `is_causal(...)` can tell the SDPA path to use its unmasked causal kernels.
 """
@@ -46,10 +49,15 @@ def _indices(B: int, H: int, Tq: int, Tk: int, offset: int, device) -> tuple[Ten
 class Mask:
     """A mask value: its predicate, a name for messages, and the fast views (overridden by built-ins)."""
 
-    def __init__(self, mask_mod: Predicate, name: str = "custom", device=None):
+    def __init__(self, mask_mod: Predicate, name: str = "custom", device=None, runs: int | None = None):
         self.mask_mod = mask_mod
         self.name = name
         self.device = device  # of the tensors it closes over (None: none, or CPU-independent)
+        if runs is not None:
+            self.runs = runs
+
+    # at most this many runs of visible queries per key column (kernels/attention/runs.py); None: unknown
+    runs: int | None = None
 
     def __and__(self, other: "Mask") -> "Mask":
         return And(self, other)
@@ -78,6 +86,11 @@ class Mask:
     def simplify(self, Tq: int, Tk: int, offset: int = 0) -> "Mask":
         return self
 
+    def closed_runs(self, B: int, Tq: int, Tk: int, offset: int = 0, device=None) -> Tensor | None:
+        """int [B or 1, Tk, 1, 2]: each key column's one run [start, end) of visible query rows (0 .. Tq,
+        relative to the first query), where this mask knows it in closed form; None otherwise."""
+        return None
+
     def parts(self) -> tuple["Mask", ...]:
         """The conjuncts of an `&` chain (itself otherwise)."""
         return (self,)
@@ -97,6 +110,15 @@ class And(Mask):
     def __init__(self, a: Mask, b: Mask):
         super().__init__(lambda *i: a.mask_mod(*i) & b.mask_mod(*i), f"{a.name} & {b.name}", a.device or b.device)
         self.a, self.b = a, b
+        self.runs = None if a.runs is None or b.runs is None else a.runs + b.runs - 1
+
+    def closed_runs(self, B, Tq, Tk, offset=0, device=None):
+        if self.runs != 1:
+            return None
+        ra, rb = self.a.closed_runs(B, Tq, Tk, offset, device), self.b.closed_runs(B, Tq, Tk, offset, device)
+        if ra is None or rb is None:
+            return None
+        return torch.stack([torch.maximum(ra[..., 0], rb[..., 0]), torch.minimum(ra[..., 1], rb[..., 1])], -1)
 
     def dense(self, B, H, Tq, Tk, offset=0, device=None):
         return self.a.dense(B, H, Tq, Tk, offset, device) & self.b.dense(B, H, Tq, Tk, offset, device)
@@ -116,6 +138,7 @@ class Or(Mask):
     def __init__(self, a: Mask, b: Mask):
         super().__init__(lambda *i: a.mask_mod(*i) | b.mask_mod(*i), f"({a.name} | {b.name})", a.device or b.device)
         self.a, self.b = a, b
+        self.runs = None if a.runs is None or b.runs is None else a.runs + b.runs
 
     def dense(self, B, H, Tq, Tk, offset=0, device=None):
         return self.a.dense(B, H, Tq, Tk, offset, device) | self.b.dense(B, H, Tq, Tk, offset, device)
@@ -133,9 +156,20 @@ def _band(Tq: int, Tk: int, offset: int, device, back: int | None = None) -> Ten
     return band[None, None]
 
 
+def _run(start: Tensor, end: Tensor, Tq: int) -> Tensor:
+    """[B', Tk] bounds -> [B', Tk, 1, 2] runs clamped to the rows 0 .. Tq."""
+    return torch.stack([start.clamp(0, Tq), end.clamp(0, Tq)], -1)[:, :, None]
+
+
 class Causal(Mask):
+    runs = 1
+
     def __init__(self):
         super().__init__(lambda b, h, q, kv: kv <= q, "causal")
+
+    def closed_runs(self, B, Tq, Tk, offset=0, device=None):
+        k = torch.arange(Tk, device=device)[None]
+        return _run(k - offset, torch.full_like(k, Tq), Tq)
 
     def dense(self, B, H, Tq, Tk, offset=0, device=None):
         return _band(Tq, Tk, offset, device)
@@ -148,6 +182,12 @@ class Window(Mask):
         super().__init__(lambda b, h, q, kv: q - kv < size, f"window({size})")
         self.size = size
 
+    runs = 1
+
+    def closed_runs(self, B, Tq, Tk, offset=0, device=None):
+        k = torch.arange(Tk, device=device)[None]
+        return _run(torch.zeros_like(k), k + self.size - offset, Tq)
+
     def always(self, Tq, Tk, offset=0):
         return offset + Tq - 1 < self.size  # the farthest key, 0, from the last query is within reach
 
@@ -157,9 +197,23 @@ class Window(Mask):
 
 
 class Document(Mask):
+    """Packed documents: each document is one contiguous stretch of positions (how packing lays them
+    out), so a key column's visible queries are one run, its document's."""
+    runs = 1
+
     def __init__(self, doc_ids: Tensor):
         super().__init__(lambda b, h, q, kv: doc_ids[b, q] == doc_ids[b, kv], "document", doc_ids.device)
         self.doc_ids = doc_ids
+
+    def closed_runs(self, B, Tq, Tk, offset=0, device=None):
+        d = self.doc_ids
+        T = d.shape[-1]
+        pos = torch.arange(T, device=d.device).expand_as(d)
+        new = torch.ones_like(d, dtype=torch.bool)
+        new[:, 1:] = d[:, 1:] != d[:, :-1]
+        first = torch.where(new, pos, 0).cummax(-1).values  # the position where each one's document begins
+        last = torch.where(new.roll(-1, -1) | (pos == T - 1), pos, T).flip(-1).cummin(-1).values.flip(-1)
+        return _run(first[:, :Tk] - offset, last[:, :Tk] + 1 - offset, Tq)
 
     def dense(self, B, H, Tq, Tk, offset=0, device=None):
         d = self.doc_ids
@@ -167,8 +221,13 @@ class Document(Mask):
 
 
 class Full(Mask):
+    runs = 1
+
     def __init__(self):
         super().__init__(lambda b, h, q, kv: torch.ones_like(q - kv, dtype=torch.bool), "full")
+
+    def closed_runs(self, B, Tq, Tk, offset=0, device=None):
+        return _run(torch.zeros(1, Tk, dtype=torch.long, device=device), torch.full((1, Tk), Tq, device=device), Tq)
 
     def always(self, Tq, Tk, offset=0):
         return True
@@ -188,7 +247,7 @@ def document(doc_ids: Tensor) -> Mask:
 
 def prefix(lengths: Tensor) -> Mask:
     """kv < lengths[b] ([B] integer tensor): keys in the sample's first lengths[b] positions."""
-    return Mask(lambda b, h, q, kv: kv < lengths[b], "prefix", lengths.device)
+    return Mask(lambda b, h, q, kv: kv < lengths[b], "prefix", lengths.device, runs=1)
 
 
 def full() -> Mask:

@@ -121,7 +121,10 @@ class SlotMask(Mask):
     """The SPS mask over slots described by tables: the token index, kind (X or RHO) and document of
     each query slot (`q_*`, indexed by the query's index) and each key slot (`k_*`). q may attend to k
     when k is no later in the interleaved order, in q's document, and persistent or at most w tokens back.
-    The dense view is evaluated once per forward and reused by every layer."""
+    The dense view is evaluated once per forward and reused by every layer. A key column's visible
+    queries are at most two runs, one per half of the de-interleaved slots (the block-sparse kernels'
+    form, kernels/attention/runs.py; measured by benchmarks/mask_representations.py)."""
+    runs = 2
 
     def __init__(self, q_tok: Tensor, q_kind: Tensor, k_tok: Tensor, k_kind: Tensor, persistent: int | None,
                  w: int | None, q_doc: Tensor | None = None, k_doc: Tensor | None = None, name: str = "sps"):

@@ -1,0 +1,83 @@
+"""The "flex" attention path: torch's FlexAttention, compiled, from the same mask values.
+
+The mask's predicate is FlexAttention's mask_mod already (kernels/attention/masks.py), shifted by the
+decode offset. The block mask is built from the mask's column runs when it declares them
+(kernels/attention/runs.py: O(Tk) for the built-ins, and the same tile classes the Triton kernel
+reads) and otherwise by create_block_mask, which evaluates the predicate over every tile; either way
+it is built once per shape and mask value and shared by every layer of the forward.
+
+Where it serves (the capability check, measured by benchmarks/bench_attention.py):
+* CUDA: training and inference.
+* CPU: forward only, for evaluation and prefill: torch 2.13 has no FlexAttention backward on a CPU, so
+  a call that autograd would differentiate is refused and goes to SDPA. It pays off only on long
+  sequences (compiled FlexAttention measured 0.69x dense SDPA at T = 512, 2.8x at 2,048, 5.0x at
+  4,096 with a document + SPS-like mask), so it serves from FLEX_MIN_KEYS keys on, and never for plain
+  causal attention, which SDPA runs without a mask tensor.
+Neither takes ALiBi or attention dropout (SDPA does).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.attention.masks import Mask, is_causal
+from kernels.attention.reference import check_heads
+from kernels.attention.runs import tile_lists
+
+FLEX_MIN_KEYS = 1024  # below this a CPU forward is faster through SDPA's dense mask
+BLOCK = 128  # FlexAttention's default tile
+HEAD_DIMS = (16, 32, 64, 128, 256)
+_compiled = None
+
+
+def _flex():
+    global _compiled
+    if _compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None) -> bool:
+    if dropout_p or alibi_slopes is not None or q.shape[-1] not in HEAD_DIMS or q.dtype not in (
+            torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype):
+        return False
+    if q.is_cuda:
+        return True
+    return (q.device.type == "cpu" and not _needs_grad(q, k, v) and k.shape[-2] >= FLEX_MIN_KEYS
+            and not is_causal(mask, q.shape[-2], k.shape[-2], offset))
+
+
+def block_mask(mask: Mask, B: int, Tq: int, Tk: int, offset: int, device):
+    """The BlockMask of `mask` at this shape (cached on the mask value outside compiled regions)."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    key = ("flex", B, Tq, Tk, offset, str(device))
+    cache = getattr(mask, "_flex_cache", None)
+    if cache is not None and cache[0] == key:
+        return cache[1]
+    mod = mask.mask_mod
+    if offset:
+        def mod(b, h, q, kv):
+            return mask.mask_mod(b, h, q + offset, kv)
+    if mask.runs is not None:  # the tile lists the Triton kernel reads, in FlexAttention's layout
+        t = tile_lists(mask, B, Tq, Tk, offset, BLOCK, BLOCK, device)
+        bm = BlockMask.from_kv_blocks(t.q_partial_num[:, None], t.q_partial[:, None], t.q_full_num[:, None],
+                                      t.q_full[:, None], BLOCK_SIZE=BLOCK, mask_mod=mod, seq_lengths=(Tq, Tk))
+    else:
+        bm = create_block_mask(mod, B, None, Tq, Tk, device=device, BLOCK_SIZE=BLOCK)
+    if not torch.compiler.is_compiling():
+        mask._flex_cache = (key, bm)
+    return bm
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+              dropout_p: float = 0.0, alibi_slopes: Tensor | None = None) -> Tensor:
+    gqa = check_heads(q, k, v) > 1
+    bm = block_mask(mask, q.shape[0], q.shape[-2], k.shape[-2], offset, q.device)
+    return _flex()(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa)

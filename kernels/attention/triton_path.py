@@ -1,0 +1,55 @@
+"""The "triton" attention path: block-sparse flash attention (triton_kernels.py) for any mask that
+declares its column runs (kernels/attention/runs.py).
+
+Capable on a CUDA device with Triton installed, for fp32, bf16 and fp16 inputs, head dims up to 256,
+without ALiBi or attention dropout (those stay with SDPA). On a CPU the same kernels run under Triton's
+interpreter (TRITON_INTERPRET=1), which is how the tests check them; there the path serves only when it
+is forced, never picked on its own. Triton is imported on the first call, so a machine without it pays
+nothing.
+
+Tiles are 64 x 64 on a GPU (one size for the forward and both backward kernels, so they share the tile
+lists) and 16 x 16 in the interpreter (small shapes, many tiles of every kind).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+from kernels.attention.masks import Mask
+from kernels.attention.reference import check_heads
+from kernels.attention.runs import tile_lists
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def blocks(q: Tensor) -> tuple[int, int]:
+    return (64, 64) if q.is_cuda else (16, 16)
+
+
+def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> bool:
+    return (_HAVE_TRITON and (q.is_cuda or (forced and interpreting() and q.device.type == "cpu"))
+            and dropout_p == 0 and alibi_slopes is None and mask.runs is not None
+            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] <= 256)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+              dropout_p: float = 0.0, alibi_slopes: Tensor | None = None) -> Tensor:
+    from kernels.attention.triton_kernels import block_sparse_attention
+
+    check_heads(q, k, v)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    B, _, Tq, Dh = q.shape
+    block_q, block_k = blocks(q)
+    lists = tile_lists(mask, B, Tq, k.shape[-2], offset, block_q, block_k, q.device)
+    out, _ = block_sparse_attention(q, k, v, *lists.tensors(), Dh ** -0.5 if scale is None else float(scale),
+                                    block_q, block_k)
+    return out
