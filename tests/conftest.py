@@ -7,6 +7,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # the project's own `kernels`/`parallel`, never same-named PyPI packages
     sys.path.insert(0, ROOT)
 
+# Without a GPU, Triton kernels run only in Triton's interpreter, and Triton reads TRITON_INTERPRET once,
+# when it is first imported (its own library functions are decorated then): set it before anything can
+# import triton. Nothing picks a Triton path on a CPU unless a test forces it (kernels/attention/triton_path.py).
+if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture
 def megatron_indexed():

@@ -28,6 +28,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation. PREC "up": bf16/fp16 operands are widened to fp32 first (exact, and
+    the same products): Triton's CPU interpreter gets bf16 tl.dot wrong (3.8), so the tests run this."""
+    if PREC == "up":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
 def _visible(RUNS, rb, rows, cols, Tk, R: tl.constexpr):
     """[BM, BN] bool: row i sees column k, from the runs of column k (RUNS + rb: this sample's runs)."""
     col_ok = cols < Tk
@@ -49,7 +59,7 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, kb, kbase, vbase, skt, svt, rows, offs_d, 
     kv_ok = (cols[:, None] < Tk) & (offs_d[None, :] < D)
     k = tl.load(K + kbase + cols[:, None] * skt + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(V + vbase + cols[:, None] * svt + offs_d[None, :], mask=kv_ok, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    s = _dot(q, tl.trans(k), PREC) * qk_scale
     if MASKED:
         ok = _visible(RUNS, rb, rows, cols, Tk, R)
     else:
@@ -60,7 +70,7 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, kb, kbase, vbase, skt, svt, rows, offs_d, 
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
     return acc, m_new, l_i
 
 
@@ -102,7 +112,7 @@ def _fwd(Q, K, V, O, LSE, RUNS, PN, PI, FN, FI,
 def _probs(q, k, lse, rows, cols, Tk, RUNS, rb, qk_scale, MASKED: tl.constexpr, R: tl.constexpr,
            PREC: tl.constexpr):
     """The tile's attention probabilities, recomputed from the log-sum-exp (zero where masked)."""
-    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse[:, None])
+    p = tl.exp2(_dot(q, tl.trans(k), PREC) * qk_scale - lse[:, None])
     if MASKED:
         ok = _visible(RUNS, rb, rows, cols, Tk, R)
     else:
@@ -120,9 +130,9 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, qb, qbase, dobase, lbase, sqt,
     lse = tl.load(LSE + lbase + rows, mask=rows < Tq, other=float("inf"))
     delta = tl.load(DELTA + lbase + rows, mask=rows < Tq, other=0.0)
     p = _probs(q, k, lse, rows, cols, Tk, RUNS, rb, qk_scale, MASKED, R, PREC)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
+    dv += _dot(tl.trans(p.to(do.dtype)), do, PREC)
+    ds = p * (_dot(do, tl.trans(v), PREC) - delta[:, None])
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, PREC)
     return dk, dv
 
 
@@ -170,8 +180,8 @@ def _bwd_q_tile(dq, q, do, lse, delta, K, V, kb, kbase, vbase, skt, svt, rows, o
     k = tl.load(K + kbase + cols[:, None] * skt + offs_d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(V + vbase + cols[:, None] * svt + offs_d[None, :], mask=kv_ok, other=0.0)
     p = _probs(q, k, lse, rows, cols, Tk, RUNS, rb, qk_scale, MASKED, R, PREC)
-    ds = p * (tl.dot(do, tl.trans(v), input_precision=PREC) - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    ds = p * (_dot(do, tl.trans(v), PREC) - delta[:, None])
+    return dq + _dot(ds.to(k.dtype), k, PREC)
 
 
 @triton.jit
@@ -214,7 +224,7 @@ def _bstride(t: Tensor) -> int:
 def _launch_shape(q: Tensor, block_q: int) -> tuple[int, int, str, int, int]:
     D = q.shape[-1]
     BD = max(16, triton.next_power_of_2(D))
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # only fp32 products read it
+    prec = "ieee" if q.dtype == torch.float32 else "up" if q.device.type == "cpu" else "tf32"  # (tf32: unread)
     warps = 4 if BD <= 64 else 8
     return D, BD, prec, warps, 1 if q.device.type == "cpu" else 2
 
