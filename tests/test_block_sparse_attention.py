@@ -31,11 +31,13 @@ def packed(B, T, lengths=(1, 2, 5)):
     return torch.stack(rows)
 
 
-def sps_mask(variant, T, B=2, w=3, docs=True):
+def sps_mask(variant, T, B=2, w=3, docs=True, closed=True):
+    """An SPS training mask over 2T slots; closed=False hides the layout, so its runs come from the dense view."""
     tok, kind = slot_tables(T, "cpu")
     doc = packed(B, T).repeat(1, 2) if docs else None
     persistent = VARIANTS[variant][0]
-    return SlotMask(tok, kind, tok, kind, persistent, None if variant == "2x_memory" else w, doc, doc)
+    return SlotMask(tok, kind, tok, kind, persistent, None if variant == "2x_memory" else w, doc, doc,
+                    tokens=T if closed else None)
 
 
 def decoder(kind, B, Tk):
@@ -80,12 +82,16 @@ def test_runs_rebuild_each_decoder_mask_exactly(kind, offset, Tq):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("docs", [False, True])
-def test_two_runs_rebuild_every_sps_variant_exactly(variant, docs):
+@pytest.mark.parametrize("w", [0, 3, 40])
+def test_two_runs_rebuild_every_sps_variant_exactly(variant, docs, w):
+    """In closed form (the model's layout) and read off the dense view, at windows of 0, 3 and past T."""
     T = 23
-    m = sps_mask(variant, T, docs=docs)
-    dense = m.dense(2, 1, 2 * T, 2 * T)[:, 0]
-    got = runs.column_runs(m, 2, 2 * T, 2 * T)
-    assert m.runs == 2 and torch.equal(from_runs(got, 2 * T).expand(2, -1, -1), dense.expand(2, -1, -1))
+    for closed in (True, False):
+        m = sps_mask(variant, T, docs=docs, w=w, closed=closed)
+        dense = m.evaluate(2, 1, 2 * T, 2 * T)[:, 0]
+        assert (m.closed_runs(2, 2 * T, 2 * T) is not None) == closed
+        got = runs.column_runs(m, 2, 2 * T, 2 * T)
+        assert m.runs == 2 and torch.equal(from_runs(got, 2 * T).expand(2, -1, -1), dense.expand(2, -1, -1))
 
 
 @pytest.mark.parametrize("block", [(16, 16), (8, 32), (32, 8)])
@@ -166,7 +172,7 @@ def test_triton_equals_the_reference_at_decode_offsets(interpreted, offset, Tq, 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("T", [7, 33])
 def test_triton_equals_the_reference_on_every_sps_mask(interpreted, variant, T):
-    check_against_reference(*qkv(2, 2, 1, 2 * T, 2 * T, 16, seed=T), sps_mask(variant, T))
+    check_against_reference(*qkv(2, 2, 1, 2 * T, 2 * T, 16, seed=T), sps_mask(variant, T, closed=T == 7))
 
 
 @pytest.mark.parametrize("kind", ["causal+doc+window", "sps"])

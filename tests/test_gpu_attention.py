@@ -78,3 +78,59 @@ def test_compiled_attention_on_cuda_reports_and_matches_eager():
     out.sum().backward()
     torch.testing.assert_close(out, fn(q, k, v, doc_ids), rtol=1e-4, atol=1e-4)
     assert attn.paths_used() == {"sdpa"}
+
+
+def _sps(T, B):
+    from pretrain.models.sps import VARIANTS, SlotMask, slot_tables
+
+    tok, kind = slot_tables(T, "cuda")
+    d = docs(B, T).repeat(1, 2)
+    return SlotMask(tok, kind, tok, kind, VARIANTS["sps"][0], 5, d, d, tokens=T)
+
+
+@pytest.mark.parametrize("path", ["triton", "flex"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["causal", "causal+doc", "causal+doc+window", "causal+prefix", "sps"])
+@pytest.mark.parametrize("offset", [0, 19])
+def test_block_sparse_paths_on_cuda_match_the_float64_reference(path, dtype, kind, offset):
+    """The Triton kernel and FlexAttention on the device, forward and backward (the CPU tests run the
+    Triton kernel interpreted and FlexAttention forward only)."""
+    B, H, H_kv, Dh = 2, 4, 2, 64
+    if kind == "sps":
+        if offset:
+            pytest.skip("the SPS training mask has no decode offset (decode uses its ring cache)")
+        T = 70
+        mask, Tq, Tk = _sps(T, B), 2 * T, 2 * T
+    else:
+        Tq, Tk = 131 - offset, 131
+        mask = mask_of(kind, docs(B, Tk), B)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(B, H, Tq, Dh, device="cuda", generator=g)
+    k, v = (torch.randn(B, H_kv, Tk, Dh, device="cuda", generator=g) for _ in range(2))
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    attn.use_path(path)
+    attn.reset_paths_used()
+    try:
+        out = attn.attention(*leaves, mask, offset)
+        grads = torch.autograd.grad(out.float().square().sum(), leaves)
+    finally:
+        attn.use_path(None)
+    assert attn.paths_used() == {path}
+    exact = [t.to(dtype).double().requires_grad_() for t in (q, k, v)]
+    want = reference.attention(*exact, mask, offset)
+    want_grads = torch.autograd.grad(want.square().sum(), exact)
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+    for got, ref in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), ref, **{k: 10 * v for k, v in TOL[dtype].items()})
+
+
+def test_the_dispatcher_picks_a_block_sparse_path_for_masked_training_on_cuda():
+    B, H, T, Dh = 2, 4, 256, 64
+    q, k, v = (torch.randn(B, H, T, Dh, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    attn.use_path(None)
+    attn.reset_paths_used()
+    attn.attention(q, k, v, mask_of("causal+doc", docs(B, T), B)).sum().backward()
+    picked = attn.paths_used()
+    attn.reset_paths_used()
+    attn.attention(q, k, v, masks.causal()).sum().backward()
+    assert picked <= {"flex", "triton"} and picked and attn.paths_used() == {"sdpa"}

@@ -206,14 +206,21 @@ class Document(Mask):
         self.doc_ids = doc_ids
 
     def closed_runs(self, B, Tq, Tk, offset=0, device=None):
-        d = self.doc_ids
-        T = d.shape[-1]
-        pos = torch.arange(T, device=d.device).expand_as(d)
-        new = torch.ones_like(d, dtype=torch.bool)
-        new[:, 1:] = d[:, 1:] != d[:, :-1]
-        first = torch.where(new, pos, 0).cummax(-1).values  # the position where each one's document begins
-        last = torch.where(new.roll(-1, -1) | (pos == T - 1), pos, T).flip(-1).cummin(-1).values.flip(-1)
-        return _run(first[:, :Tk] - offset, last[:, :Tk] + 1 - offset, Tq)
+        first, end = document_bounds(self.doc_ids)
+        return _run(first[:, :Tk] - offset, end[:, :Tk] - offset, Tq)
+
+
+def document_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed document ids [B, T] -> (first, end) [B, T]: the stretch [first, end) of each position's
+    document (documents contiguous)."""
+    d = doc_ids
+    T = d.shape[-1]
+    pos = torch.arange(T, device=d.device).expand_as(d)
+    new = torch.ones_like(d, dtype=torch.bool)
+    new[:, 1:] = d[:, 1:] != d[:, :-1]
+    first = torch.where(new, pos, 0).cummax(-1).values
+    last = torch.where(new.roll(-1, -1) | (pos == T - 1), pos, T).flip(-1).cummin(-1).values.flip(-1)
+    return first, last + 1
 
     def dense(self, B, H, Tq, Tk, offset=0, device=None):
         d = self.doc_ids

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels.attention import Mask
+from kernels.attention.masks import document_bounds
 from parallel.layers import gather_sequence, local_sequence
 from pretrain.models import decoder
 from pretrain.models.blocks import Block
@@ -127,7 +128,8 @@ class SlotMask(Mask):
     runs = 2
 
     def __init__(self, q_tok: Tensor, q_kind: Tensor, k_tok: Tensor, k_kind: Tensor, persistent: int | None,
-                 w: int | None, q_doc: Tensor | None = None, k_doc: Tensor | None = None, name: str = "sps"):
+                 w: int | None, q_doc: Tensor | None = None, k_doc: Tensor | None = None, name: str = "sps",
+                 tokens: int | None = None):
         def mask_mod(b, h, q, kv):
             qt, kt = q_tok[q], k_tok[kv]
             ok = 2 * kt + k_kind[kv] <= 2 * qt + q_kind[q]
@@ -139,6 +141,31 @@ class SlotMask(Mask):
 
         super().__init__(mask_mod, name, q_tok.device)
         self._dense: tuple | None = None
+        # `tokens`: the tables are slot_tables(tokens) de-interleaved for queries and keys alike, and the
+        # documents are [doc_ids | doc_ids] (the training and prefill mask): its runs have a closed form
+        self.tokens, self.persistent, self.w, self.doc = tokens, persistent, w, q_doc
+
+    def closed_runs(self, B, Tq, Tk, offset=0, device=None):
+        """Key slot (kt, kk) is seen, in the query half of kind c, by the tokens qt with
+        kt + (kk > c) <= qt (causal in the interleaved order), qt <= kt + w (a windowed kind), and qt in
+        kt's document: one run per half."""
+        T = self.tokens
+        if T is None or offset or Tq != 2 * T or Tk != 2 * T:
+            return None
+        j = torch.arange(2 * T, device=self.device)
+        kt, kk = (j % T)[None], (j // T)[None]
+        if self.doc is None:
+            first, end = torch.zeros_like(kt), torch.full_like(kt, T)
+        else:
+            first, end = document_bounds(self.doc[:, :T])
+            first, end = first.repeat(1, 2), end.repeat(1, 2)
+        if self.w is not None:
+            end = torch.where(kk != self.persistent, torch.minimum(end, kt + self.w + 1), end)
+        halves = []
+        for c in (X, RHO):
+            lo = torch.maximum(kt + (kk > c).long(), first)
+            halves.append(torch.stack([c * T + lo, c * T + torch.maximum(end, lo)], -1))
+        return torch.stack(halves, -2)
 
     def dense(self, B, H, Tq, Tk, offset=0, device=None):
         key = (B, Tq, Tk, offset)
@@ -269,7 +296,7 @@ class SPS(Decoder):
         if doc_ids is not None:
             doc = doc_ids.long().repeat_interleave(2, 1) if interleaved else doc_ids.long().repeat(1, 2)
         return SlotMask(tok, kind, tok, kind, self.cfg.persistent, self.cfg.w, doc, doc,
-                        f"sps({self.cfg.variant}, w={self.cfg.w})")
+                        f"sps({self.cfg.variant}, w={self.cfg.w})", tokens=None if interleaved else T)
 
     def readout(self, h: Tensor, T: int) -> Tensor:
         """Final-normed hidden states [B, T, d] of the read-out half of the slots (under sequence
