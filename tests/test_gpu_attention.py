@@ -47,7 +47,7 @@ def test_sdpa_on_cuda_matches_the_float64_reference(dtype, kind, heads, alibi):
     slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device="cuda") / H) if alibi else None
     mask = mask_of(kind, docs(B, T), B)
     leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    attn.use_path(None)
+    attn.use_path("sdpa")  # the other paths have their own test below
     out = attn.attention(*leaves, mask, alibi_slopes=slopes)
     assert attn.paths_used() >= {"sdpa"}
     grads = torch.autograd.grad(out.float().square().sum(), leaves)
@@ -77,7 +77,7 @@ def test_compiled_attention_on_cuda_reports_and_matches_eager():
     out = compiled(q, k, v, doc_ids)
     out.sum().backward()
     torch.testing.assert_close(out, fn(q, k, v, doc_ids), rtol=1e-4, atol=1e-4)
-    assert attn.paths_used() == {"sdpa"}
+    assert attn.paths_used() == {"sdpa", "triton"}  # plain causal: SDPA's kernel; documents + window: Triton
 
 
 def _sps(T, B):
@@ -133,4 +133,8 @@ def test_the_dispatcher_picks_a_block_sparse_path_for_masked_training_on_cuda():
     picked = attn.paths_used()
     attn.reset_paths_used()
     attn.attention(q, k, v, masks.causal()).sum().backward()
-    assert picked <= {"flex", "triton"} and picked and attn.paths_used() == {"sdpa"}
+    assert picked == {"triton"} and attn.paths_used() == {"sdpa"}
+    attn.reset_paths_used()  # a mask without declared runs: FlexAttention
+    strided = masks.causal() & masks.Mask(lambda b, h, qi, kv: (qi - kv) % 2 == 0, "strided")
+    attn.attention(q, k, v, strided).sum().backward()
+    assert attn.paths_used() == {"flex"}

@@ -13,10 +13,11 @@ the offset into that trimmed cache: causal and window masks depend only on relat
 
 Paths (kernels/registry.py), picked per call by priority among those whose capability check accepts
 the call (devices, dtypes, shapes, whether autograd needs a backward: Python values, never tensor data):
-    "flex"       FlexAttention, compiled (flex.py): CUDA for training and inference; CPU for forwards
-                 that need no backward, from flex.FLEX_MIN_KEYS keys on (evaluation, prefill)
     "triton"     block-sparse flash attention from the mask's column runs (triton_path.py,
-                 triton_kernels.py): CUDA; on a CPU only forced, under TRITON_INTERPRET=1 (the tests)
+                 triton_kernels.py): CUDA, every mask that declares its runs (the fastest there, measured);
+                 on a CPU only forced, under TRITON_INTERPRET=1 (the tests)
+    "flex"       FlexAttention, compiled (flex.py): CUDA for training and prefill of the other masks; CPU
+                 for forwards that need no backward, from flex.FLEX_MIN_KEYS keys on (evaluation, prefill)
     "sdpa"       torch's scaled_dot_product_attention with the dense mask (sdpa.py): every device and
                  every call (ALiBi, dropout), and plain causal attention, where its own causal kernels
                  need no mask and are the fastest
@@ -46,8 +47,8 @@ def _block_sparse(capable, name):
     return check
 
 
-OP.register("flex", flex.attention, _block_sparse(flex.capable, "flex"), priority=30)
-OP.register("triton", triton_path.attention, _block_sparse(triton_path.capable, "triton"), priority=20)
+OP.register("triton", triton_path.attention, _block_sparse(triton_path.capable, "triton"), priority=30)
+OP.register("flex", flex.attention, _block_sparse(flex.capable, "flex"), priority=20)
 OP.register("sdpa", sdpa.attention, priority=10)
 OP.register("reference", reference.attention, auto=False)
 PATHS = tuple(OP.paths)

@@ -7,7 +7,10 @@ reads) and otherwise by create_block_mask, which evaluates the predicate over ev
 it is built once per shape and mask value and shared by every layer of the forward.
 
 Where it serves (the capability check, measured by benchmarks/bench_attention.py):
-* CUDA: training and inference.
+* CUDA: training and prefill (from FLEX_MIN_QUERIES_CUDA queries; a decode step would compile again for
+  every cache length). Measured on an H200 the Triton kernel is faster for every built-in and SPS mask
+  (benchmarks/bench_attention.py), so this path serves CUDA calls the Triton kernel cannot: masks that
+  declare no column runs (an architecture's own predicate).
 * CPU: forward only, for evaluation and prefill: torch 2.13 has no FlexAttention backward on a CPU, so
   a call that autograd would differentiate is refused and goes to SDPA. It pays off only on long
   sequences (compiled FlexAttention measured 0.69x dense SDPA at T = 512, 2.8x at 2,048, 5.0x at
@@ -25,6 +28,7 @@ from kernels.attention.reference import check_heads
 from kernels.attention.runs import tile_lists
 
 FLEX_MIN_KEYS = 1024  # below this a CPU forward is faster through SDPA's dense mask
+FLEX_MIN_QUERIES_CUDA = 128  # CUDA: training and prefill; decode steps go to the Triton kernel or SDPA
 BLOCK = 128  # FlexAttention's default tile
 HEAD_DIMS = (16, 32, 64, 128, 256)
 _compiled = None
@@ -34,6 +38,9 @@ def _flex():
     global _compiled
     if _compiled is None:
         from torch.nn.attention.flex_attention import flex_attention
+        # one compiled graph per shape and grad mode (training, evaluation); past dynamo's default limit
+        # of 8 FlexAttention falls back to an unfused version 100x slower (seen on an H200), so allow more
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _compiled = torch.compile(flex_attention, dynamic=False)
     return _compiled
 
@@ -47,8 +54,8 @@ def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale:
     if dropout_p or alibi_slopes is not None or q.shape[-1] not in HEAD_DIMS or q.dtype not in (
             torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype):
         return False
-    if q.is_cuda:
-        return True
+    if q.is_cuda:  # not for decode: every new cache length would compile again
+        return q.shape[-2] >= FLEX_MIN_QUERIES_CUDA
     return (q.device.type == "cpu" and not _needs_grad(q, k, v) and k.shape[-2] >= FLEX_MIN_KEYS
             and not is_causal(mask, q.shape[-2], k.shape[-2], offset))
 
@@ -61,10 +68,8 @@ def block_mask(mask: Mask, B: int, Tq: int, Tk: int, offset: int, device):
     cache = getattr(mask, "_flex_cache", None)
     if cache is not None and cache[0] == key:
         return cache[1]
-    mod = mask.mask_mod
-    if offset:
-        def mod(b, h, q, kv):
-            return mask.mask_mod(b, h, q + offset, kv)
+    def mod(b, h, q, kv):  # four named arguments: FlexAttention reads the signature (`&` masks take *i)
+        return mask.mask_mod(b, h, q + offset, kv)
     if mask.runs is not None:  # the tile lists the Triton kernel reads, in FlexAttention's layout
         t = tile_lists(mask, B, Tq, Tk, offset, BLOCK, BLOCK, device)
         bm = BlockMask.from_kv_blocks(t.q_partial_num[:, None], t.q_partial[:, None], t.q_full_num[:, None],
