@@ -46,7 +46,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scal
     from kernels.attention.triton_kernels import block_sparse_attention
 
     check_heads(q, k, v)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # the kernels index the head dimension with stride 1 (no generator here: dynamo traces this body)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
     B, _, Tq, Dh = q.shape
     block_q, block_k = blocks(q)
     lists = tile_lists(mask, B, Tq, k.shape[-2], offset, block_q, block_k, q.device)
