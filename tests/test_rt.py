@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import registry
 from kernels.rt_prefill import reference, rt_prefill, schedule, tiled
 from pretrain.config import ConfigError, load_config
 from pretrain.models.rt import RT, LayerView, RTConfig, flops_per_token
@@ -313,3 +314,66 @@ def test_large_tiles_are_computed_in_query_blocks_with_the_same_values_and_gradi
     torch.testing.assert_close(z1, z0, rtol=0, atol=1e-12)
     for a, b in zip(torch.autograd.grad(z1, [x, *params], g), want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# -- the tile as Triton kernels (kernels/rt_prefill/triton_tile.py), run by Triton's interpreter -----------
+def _interpreted_triton():
+    triton = pytest.importorskip("triton", reason="needs Triton (its interpreter runs the RT tile kernels on a CPU)")
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) on a CPU")
+    from kernels.rt_prefill import triton_tile
+    return triton_tile
+
+
+@pytest.mark.parametrize("nq,nk,alibi", [(1, 1, True), (2, 2, False), (16, 16, True), (33, 64, True), (5, 70, False)])
+def test_triton_tile_kernels_equal_the_pytorch_tile(nq, nk, alibi):
+    triton_tile = _interpreted_triton()
+    g = torch.Generator().manual_seed(nq * 100 + nk)
+    B, H, D = 2, 3, 16
+    qs = torch.randn(B, H, nq, D, generator=g)
+    k, v = (torch.randn(B, H, nk, D, generator=g) for _ in range(2))
+    slopes = torch.tensor([0.5, 0.25, 0.125]) if alibi else None
+    m0 = torch.randn(B, H, nq, generator=g)
+    l0 = torch.rand(B, H, nq, generator=g) + 0.5
+    O0 = torch.randn(B, H, nq, D, generator=g)
+    want = [m0.clone(), l0.clone(), O0.clone()]
+    tiled.update_tile(qs, k, v, *want, slopes, 70, 3)
+    got = [m0.clone(), l0.clone(), O0.clone()]
+    triton_tile.update_tile(qs, k, v, *got, slopes, 70, 3)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    gq, D_, lse = torch.randn(B, H, nq, D, generator=g), torch.randn(B, H, nq, generator=g), want[0] + want[1].log()
+    for a, b in zip(triton_tile.tile_grads(qs, k, v, gq, D_, lse, slopes, 70, 3),
+                    tiled.tile_grads(qs, k, v, gq, D_, lse, slopes, 70, 3)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("N,leaf,positions", [(17, 1, "alibi"), (37, 16, "alibi"), (33, 4, "rope")])
+def test_the_triton_path_runs_the_schedule_and_backward_like_the_tiled_one(N, leaf, positions):
+    """Whole layers through the rt_prefill op, forced onto the Triton tile, against the naive loop in
+    float64: outputs and every gradient (leaf 16: the fewer-launch variant of spec §3.8)."""
+    _interpreted_triton()
+    from kernels.rt_prefill import OP
+
+    model = model_of(torch.float32, positions=positions)
+    x = torch.randn(2, N, 16, generator=torch.Generator().manual_seed(N), requires_grad=True)
+    view = layer_of(model, N)
+    params = list(model.blocks[0].parameters())
+    g = torch.randn(2, N, 16)
+    OP.force("triton")
+    try:
+        registry.reset_paths_used()
+        z = rt_prefill(x, view, leaf)
+        got = torch.autograd.grad(z, [x, *params], g)
+        assert registry.paths_used()["rt_prefill"] == ["triton"]
+    finally:
+        OP.force(None)
+    model64 = model_of(torch.float64, positions=positions)
+    model64.load_state_dict(model.state_dict())
+    x64 = x.detach().double().requires_grad_()
+    p64 = list(model64.blocks[0].parameters())
+    want_z = reference.prefill(x64, layer_of(model64, N))
+    want = torch.autograd.grad(want_z, [x64, *p64], g.double())
+    torch.testing.assert_close(z.double(), want_z, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)

@@ -8,10 +8,17 @@ values), `offset` the position of x's first token. Paths (kernels/registry.py):
     "tiled"   the dyadic tile schedule with its tiled custom backward (tiled.py), picked by default
     "naive"   the token-by-token definition with autograd through the loop (reference.py), only when
               forced (PRETRAIN_KERNELS=rt_prefill=naive): the oracle, and N^2 memory
-Triton kernels of the tile update come later and register here, tested against both.
+    "triton"  the same schedule and backward with the tile update and the tile gradients as Triton
+              kernels (triton_tile.py): CUDA, or a CPU under TRITON_INTERPRET=1 (the tests); only when
+              forced (PRETRAIN_KERNELS=rt_prefill=triton) until it has been measured on a GPU
+              (benchmarks/bench_attention.py --rt)
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+
+import torch
 from torch import Tensor
 
 from kernels import registry
@@ -20,6 +27,21 @@ from kernels.rt_prefill import reference, schedule, tiled
 OP = registry.op("rt_prefill")
 OP.register("tiled", tiled.prefill, priority=10)
 OP.register("naive", lambda x, layer, leaf=1, offset=0: reference.prefill(x, layer, offset), auto=False)
+
+
+def _triton(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:
+    from kernels.rt_prefill import triton_tile  # Triton is imported on the first call only
+
+    return tiled.prefill(x, layer, leaf, offset, ops=triton_tile.OPS)
+
+
+def _triton_capable(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> bool:
+    on_device = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return (on_device and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and importlib.util.find_spec("triton") is not None)
+
+
+OP.register("triton", _triton, _triton_capable, priority=20, auto=False)
 
 
 def rt_prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:

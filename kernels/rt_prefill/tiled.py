@@ -16,9 +16,12 @@ A layer may provide its own input gradients of kv and post (vjp_kv, vjp_post: ch
 graph per position); autograd is used otherwise. Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
 kv() and post() for the input and parameter gradients.
 
-`update_tile` and `tile_grads` are the two per-tile functions a kernel replaces (spec §3.8).
+`update_tile` and `tile_grads` are the two per-tile functions a kernel replaces (spec §3.8): every
+entry point takes them as `ops` (TileOps; triton_tile.OPS are the Triton kernels).
 """
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -57,6 +60,11 @@ def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tenso
         m[:, :, b] = m_new
 
 
+class TileOps(NamedTuple):
+    update: Callable  # update_tile's signature
+    grads: Callable  # tile_grads' signature
+
+
 def _pieces(N: int, leaf: int, t: int):
     """(query range, key range) blocks whose queries start at t: t's own leaf keys, and the tile of
     keys [t - P, t) into queries [t, t + P) (run in the forward after step t - 1)."""
@@ -70,9 +78,11 @@ def _pieces(N: int, leaf: int, t: int):
     return out
 
 
-def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tensor, Tensor] | None = None):
+def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tensor, Tensor] | None = None,
+            ops: "TileOps | None" = None):
     """(Z [B, N, d], K, V [B, H, N, Dh], LSE [B, H, N]) of layer input x at positions offset..;
     `prefix` = (K0, V0) [B, H, offset, Dh]: the persistent pairs of earlier positions (decode)."""
+    update = (ops or TORCH_OPS).update
     B, N, _ = x.shape
     dtype = acc_dtype(x)
     q, kt, vt = layer.pre(x, offset)
@@ -81,7 +91,7 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     l = torch.ones_like(m)
     O = vt.to(dtype).clone()
     if prefix is not None and prefix[0].shape[2]:
-        update_tile(qs, prefix[0], prefix[1], m, l, O, layer.slopes, offset, 0)
+        update(qs, prefix[0], prefix[1], m, l, O, layer.slopes, offset, 0)
     K, V = torch.empty_like(kt), torch.empty_like(vt)
     Z = torch.empty_like(x)
     schedule = {t: (k0, k1, q1) for t, k0, k1, q1 in tiles(N, leaf)}
@@ -89,7 +99,7 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
         k0, k1 = leaf_keys(t, leaf)
         if k1 > k0:
             sl = slice(t, t + 1)
-            update_tile(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
+            update(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
                         layer.slopes, offset + t, offset + k0)
         a = (O[:, :, t:t + 1] / l[:, :, t:t + 1, None]).to(x.dtype)
         z = layer.post(x[:, t:t + 1], a)
@@ -98,7 +108,7 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
         if t in schedule:
             k0, k1, q1 = schedule[t]
             sl = slice(k1, q1)
-            update_tile(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
+            update(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
                         layer.slopes, offset + k1, offset + k0)
     return Z, K, V, m + torch.log(l)
 
@@ -118,17 +128,20 @@ def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, T
     return dq, dk, dv
 
 
+TORCH_OPS = TileOps(update_tile, tile_grads)
+
+
 class TiledPrefill(torch.autograd.Function):
     """z = layer(x) by the tile schedule, with the tiled backward described in the module docstring.
-    Called as TiledPrefill.apply(x, layer, leaf, offset, *params), params being every parameter that
+    Called as TiledPrefill.apply(x, layer, leaf, offset, ops, *params), params being every parameter that
     pre, post and kv read (their gradients are returned in that order)."""
 
     @staticmethod
-    def forward(ctx, x, layer, leaf, offset, *params):
+    def forward(ctx, x, layer, leaf, offset, ops, *params):
         with torch.no_grad():
-            Z, _, _, lse = forward(x, layer, leaf, offset)
+            Z, _, _, lse = forward(x, layer, leaf, offset, ops=ops)
         ctx.save_for_backward(x, Z, lse)
-        ctx.layer, ctx.leaf, ctx.offset, ctx.n_params = layer, leaf, offset, len(params)
+        ctx.layer, ctx.leaf, ctx.offset, ctx.n_params, ctx.ops = layer, leaf, offset, len(params), ops
         ctx.params = params
         return Z
 
@@ -177,7 +190,7 @@ class TiledPrefill(torch.autograd.Function):
             G[:, :, t:t + 1] = g.to(dtype)
             D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
             for a0, a1, k0, k1 in _pieces(N, leaf, t):
-                dq, dk, dv = tile_grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
+                dq, dk, dv = ctx.ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
                                         D[:, :, a0:a1], lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0)
                 dqs[:, :, a0:a1] += dq
                 dK[:, :, k0:k1] += dk
@@ -199,12 +212,13 @@ class TiledPrefill(torch.autograd.Function):
         for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
             parts = [g for g in (a, b, c) if g is not None]
             out.append(sum(parts[1:], parts[0]) if parts else None)
-        return (dx, None, None, None, *out)
+        return (dx, None, None, None, None, *out)
 
 
-def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:
+def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0, ops: TileOps | None = None) -> Tensor:
     """z [B, N, d] by the tile schedule; differentiable through TiledPrefill's backward."""
+    ops = ops or TORCH_OPS
     params = tuple(p for p in layer.parameters() if p.requires_grad)
     if torch.is_grad_enabled() and (x.requires_grad or params):
-        return TiledPrefill.apply(x, layer, leaf, offset, *params)
-    return forward(x, layer, leaf, offset)[0]
+        return TiledPrefill.apply(x, layer, leaf, offset, ops, *params)
+    return forward(x, layer, leaf, offset, ops=ops)[0]

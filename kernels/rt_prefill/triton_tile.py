@@ -1,0 +1,188 @@
+"""The RT tile (spec-003 §3.8) as Triton kernels: the two per-tile functions of tiled.py.
+
+    update_tile(qs, k, v, m, l, O, slopes, q0, k0)      fold keys into queries' online softmax, in place
+    tile_grads(qs, k, v, g, D, lse, slopes, q0, k0)     (d qs, d k, d v) of one tile from the log-sum-exp
+
+with the signatures and semantics of tiled.update_tile and tiled.tile_grads (the references they are
+tested against), so the tile schedule, the leaf-block variant and the custom backward run unchanged
+around them (`OPS`). Every key of a tile precedes every query, so no causal mask: only ALiBi,
+-slope_h (i - j), computed in the kernel from the positions q0.., k0.. (no bias tensor).
+
+The forward kernel gives each program a block of queries of one (sample, head), loads its (m, l, O),
+loops over the tile's keys in blocks and writes the state back. The backward is FlashAttention-2's
+restricted to the tile: one kernel per key block accumulates dk, dv over the query blocks, another per
+query block accumulates dq. Scaled queries and the softmax state are fp32 (tiled.py's accumulators);
+keys and values of any float dtype are widened to fp32, and products are IEEE fp32, so the kernels agree
+with the PyTorch tile to rounding. Blocks: 16 to 64 rows (tl.dot needs 16), rows past a tile masked;
+tiles of P < 16 keys are where the leaf-block variant (leaf = 16: every query reads its own leaf's keys
+directly) saves launches: N = 512 runs 31 tiles instead of 511.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.rt_prefill import tiled
+
+
+@triton.jit
+def _scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if HAS_ALIBI:
+        s -= slope * ((q0 + rows)[:, None] - (k0 + cols)[None, :]).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _rt_fwd(QS, K, V, M, L, O, SLOPES, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, smb, smh, smt, slb, slh, slt,
+            sob, soh, sot, H, nq, nk, D, q0, k0,
+            HAS_ALIBI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    dd = tl.arange(0, BD)
+    r_ok = rows < nq
+    q_ok = r_ok[:, None] & (dd[None, :] < D)
+    q = tl.load(QS + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=q_ok, other=0.0)
+    m = tl.load(M + b * smb + h * smh + rows * smt, mask=r_ok, other=0.0)
+    l = tl.load(L + b * slb + h * slh + rows * slt, mask=r_ok, other=0.0)
+    acc = tl.load(O + b * sob + h * soh + rows[:, None] * sot + dd[None, :], mask=q_ok, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    for start in range(0, nk, BN):
+        cols = start + tl.arange(0, BN)
+        c_ok = cols < nk
+        kv_ok = c_ok[:, None] & (dd[None, :] < D)
+        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        s = tl.where(c_ok[None, :], _scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI), float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        c = tl.exp(m - m_new)
+        e = tl.exp(s - m_new[:, None])
+        acc = acc * c[:, None] + tl.dot(e, v, input_precision="ieee")
+        l = l * c + tl.sum(e, 1)
+        m = m_new
+    tl.store(M + b * smb + h * smh + rows * smt, m, mask=r_ok)
+    tl.store(L + b * slb + h * slh + rows * slt, l, mask=r_ok)
+    tl.store(O + b * sob + h * soh + rows[:, None] * sot + dd[None, :], acc, mask=q_ok)
+
+
+@triton.jit
+def _rt_bwd_kv(QS, K, V, G, DL, LSE, SLOPES, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
+               sdb, sdh, sdt, seb, seh, set_, H, nq, nk, D, q0, k0,
+               HAS_ALIBI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    dd = tl.arange(0, BD)
+    c_ok = cols < nk
+    kv_ok = c_ok[:, None] & (dd[None, :] < D)
+    k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+    v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    dk = tl.zeros((BN, BD), tl.float32)
+    dv = tl.zeros((BN, BD), tl.float32)
+    for start in range(0, nq, BM):
+        rows = start + tl.arange(0, BM)
+        r_ok = rows < nq
+        q_ok = r_ok[:, None] & (dd[None, :] < D)
+        q = tl.load(QS + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=q_ok, other=0.0)
+        g = tl.load(G + b * sgb + h * sgh + rows[:, None] * sgt + dd[None, :], mask=q_ok, other=0.0)
+        delta = tl.load(DL + b * sdb + h * sdh + rows * sdt, mask=r_ok, other=0.0)
+        lse = tl.load(LSE + b * seb + h * seh + rows * set_, mask=r_ok, other=0.0)
+        p = tl.exp(_scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI) - lse[:, None])
+        p = tl.where(r_ok[:, None] & c_ok[None, :], p, 0.0)
+        dv += tl.dot(tl.trans(p), g, input_precision="ieee")
+        ds = p * (tl.dot(g, tl.trans(v), input_precision="ieee") - delta[:, None])
+        dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
+    out = bh * nk * D + cols[:, None] * D + dd[None, :]  # dk, dv contiguous [B, H, nk, D]
+    tl.store(DK + out, dk, mask=kv_ok)
+    tl.store(DV + out, dv, mask=kv_ok)
+
+
+@triton.jit
+def _rt_bwd_q(QS, K, V, G, DL, LSE, SLOPES, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
+              sdb, sdh, sdt, seb, seh, set_, H, nq, nk, D, q0, k0,
+              HAS_ALIBI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    dd = tl.arange(0, BD)
+    r_ok = rows < nq
+    q_ok = r_ok[:, None] & (dd[None, :] < D)
+    q = tl.load(QS + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=q_ok, other=0.0)
+    g = tl.load(G + b * sgb + h * sgh + rows[:, None] * sgt + dd[None, :], mask=q_ok, other=0.0)
+    delta = tl.load(DL + b * sdb + h * sdh + rows * sdt, mask=r_ok, other=0.0)
+    lse = tl.load(LSE + b * seb + h * seh + rows * set_, mask=r_ok, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    dq = tl.zeros((BM, BD), tl.float32)
+    for start in range(0, nk, BN):
+        cols = start + tl.arange(0, BN)
+        c_ok = cols < nk
+        kv_ok = c_ok[:, None] & (dd[None, :] < D)
+        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        p = tl.exp(_scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI) - lse[:, None])
+        p = tl.where(r_ok[:, None] & c_ok[None, :], p, 0.0)
+        ds = p * (tl.dot(g, tl.trans(v), input_precision="ieee") - delta[:, None])
+        dq += tl.dot(ds, k, input_precision="ieee")
+    tl.store(DQ + bh * nq * D + rows[:, None] * D + dd[None, :], dq, mask=q_ok)
+
+
+def _block(n: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(n)))
+
+
+def _s3(t: Tensor) -> tuple[int, int, int]:
+    """Strides of [B, H, n, D] (dims 0-2; the last must be 1) or of [B, H, n] (all three)."""
+    if t.dim() == 4 and t.stride(-1) != 1:
+        raise ValueError("RT tile kernels need tensors contiguous in their last dimension")
+    return tuple(t.stride()[:3])
+
+
+def _check(qs: Tensor) -> None:
+    if qs.dtype != torch.float32:
+        raise ValueError(f"the RT tile kernels accumulate in fp32: scaled queries must be float32, got {qs.dtype}")
+
+
+def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tensor, slopes, q0: int, k0: int) -> None:
+    _check(qs)
+    tiled.KEYS_MOVED[0] += k.shape[2]
+    B, H, nq, D = qs.shape
+    nk = k.shape[2]
+    if nq == 0 or nk == 0:
+        return
+    BM, BN = _block(nq), _block(nk)
+    _rt_fwd[(triton.cdiv(nq, BM), B * H)](
+        qs, k, v, m, l, O, slopes if slopes is not None else qs, *_s3(qs), *_s3(k), *_s3(v), *_s3(m), *_s3(l),
+        *_s3(O), H, nq, nk, D, q0, k0, HAS_ALIBI=slopes is not None, BM=BM, BN=BN,
+        BD=max(16, triton.next_power_of_2(D)))
+
+
+def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, Tensor, Tensor]:
+    _check(qs)
+    B, H, nq, Dh = qs.shape
+    nk = k.shape[2]
+    dq = torch.empty(B, H, nq, Dh, device=qs.device, dtype=torch.float32)
+    dk = torch.empty(B, H, nk, Dh, device=qs.device, dtype=torch.float32)
+    dv = torch.empty_like(dk)
+    BM, BN, BD = _block(nq), _block(nk), max(16, triton.next_power_of_2(Dh))
+    args = (qs, k, v, g, D, lse, slopes if slopes is not None else qs)
+    strides = (*_s3(qs), *_s3(k), *_s3(v), *_s3(g), *_s3(D), *_s3(lse))
+    meta = dict(HAS_ALIBI=slopes is not None, BM=BM, BN=BN, BD=BD)
+    _rt_bwd_kv[(triton.cdiv(nk, BN), B * H)](*args, dk, dv, *strides, H, nq, nk, Dh, q0, k0, **meta)
+    _rt_bwd_q[(triton.cdiv(nq, BM), B * H)](*args, dq, *strides, H, nq, nk, Dh, q0, k0, **meta)
+    return dq, dk, dv
+
+
+OPS = tiled.TileOps(update_tile, tile_grads)
