@@ -258,3 +258,78 @@ def test_flex_evaluates_an_sps_model_like_sdpa_and_training_never_uses_it():
     model.train()
     model.logits(tokens).float().logsumexp(-1).mean().backward()
     assert attn.paths_used() == {"sdpa"}
+
+
+# -- the optional GPU libraries: their plumbing on a CPU, their absence silent ---------------------------
+def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                window_size=(-1, -1)):
+    """flash_attn_varlen_func's contract, computed per sequence by the reference ([total, heads, D])."""
+    assert causal and torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    out = torch.empty_like(q)
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        m = masks.causal() if window_size[0] < 0 else masks.causal() & masks.window(window_size[0] + 1)
+        seg = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]
+        out[a:b] = reference.attention(*seg, m, scale=softmax_scale)[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["causal+doc", "causal+window", "causal+doc+window"])
+def test_flash_attn_varlen_plumbing_equals_the_reference(kind):
+    from kernels.attention import flash_varlen
+
+    B, H, H_kv, T, D = 2, 6, 2, 23, 16
+    q, k, v = qkv(B, H, H_kv, T, T, D, seed=2)
+    mask = decoder(kind, B, T)
+    got = flash_varlen.attention(q, k, v, mask, scale=0.3, varlen=fake_varlen)
+    torch.testing.assert_close(got, reference.attention(q, k, v, mask, scale=0.3), rtol=1e-10, atol=1e-12)
+    cu, longest = flash_varlen.cu_seqlens(packed(B, T), B, T, "cpu")
+    assert cu.tolist() == [0, 1, 3, 8, 23, 25, 27, 32, 46] and longest == 15  # row 0 opens with a 1-token document
+
+
+def test_masks_flash_attn_cannot_express_are_not_offered_to_it():
+    from kernels.attention import flash_varlen
+
+    assert flash_varlen.decoder_parts(decoder("causal+prefix", 2, 9)) is None
+    assert flash_varlen.decoder_parts(sps_mask("sps", 5)) is None
+    assert flash_varlen.decoder_parts(masks.document(packed(1, 9))) is None  # not causal
+    assert flash_varlen.decoder_parts(decoder("causal+doc+window", 1, 9))[1] == 5
+
+
+def test_without_flash_attn_or_apex_the_fallbacks_serve_silently(recwarn):
+    """On this machine neither library is installed: the paths exist, refuse every call, and nothing
+    warns; the norms run the torch formula the models always used."""
+    import importlib.util
+
+    from kernels import norms
+    from kernels.attention import flash_varlen
+
+    assert importlib.util.find_spec("flash_attn") is None and not flash_varlen.HAVE_FLASH_ATTN
+    assert norms.APEX is None
+    x, w, b = torch.randn(3, 5, 8), torch.rand(8) + 0.5, torch.randn(8)
+    registry_used = __import__("kernels").registry
+    registry_used.reset_paths_used()
+    y = norms.rms_norm(x, w, 1e-5)
+    z = norms.layer_norm(x, w, b, 1e-5)
+    assert registry_used.paths_used()["rms_norm"] == ["torch"] and registry_used.paths_used()["layer_norm"] == ["torch"]
+    torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w, rtol=0, atol=0)
+    torch.testing.assert_close(z, torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5), rtol=0, atol=0)
+    q, k, v = (t.float() for t in qkv(1, 2, 2, 9, 9, 16))
+    attn.use_path(None)
+    attn.reset_paths_used()
+    attn.attention(q, k, v, decoder("causal+doc", 1, 9))
+    assert attn.paths_used() == {"sdpa"} and not recwarn.list
+
+
+def test_apex_norm_paths_pass_their_arguments_in_apexs_order():
+    from kernels import norms
+
+    class FakeApex:
+        def fused_rms_norm_affine(self, x, weight, shape, eps):
+            return norms.rms_norm_torch(x, weight, eps) if tuple(shape) == x.shape[-1:] else None
+
+        def fused_layer_norm_affine(self, x, weight, bias, shape, eps):
+            return norms.layer_norm_torch(x, weight, bias, eps) if tuple(shape) == x.shape[-1:] else None
+
+    x, w, b = torch.randn(2, 4, 8), torch.rand(8), torch.randn(8)
+    torch.testing.assert_close(norms.rms_norm_apex(x, w, 1e-6, FakeApex()), norms.rms_norm_torch(x, w, 1e-6))
+    torch.testing.assert_close(norms.layer_norm_apex(x, w, b, 1e-6, FakeApex()), norms.layer_norm_torch(x, w, b, 1e-6))

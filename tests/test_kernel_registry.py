@@ -76,8 +76,8 @@ def test_environment_forces_per_op_and_bad_values_are_one_sentence():
     assert run(code, PRETRAIN_KERNELS="attention=reference")[:2] == (0, "attention reference")
     assert run(code, PRETRAIN_KERNELS="")[:2] == (0, "attention sdpa")
     rc, _, err = run(code, PRETRAIN_KERNELS="attention=cudnn")
-    assert rc == 1 and "PRETRAIN_KERNELS='cudnn' is not an attention path; choose one of flex, triton, sdpa" in err[0]
-    rc, _, err = run(code, PRETRAIN_KERNELS="attention=triton")  # a CUDA kernel forced on the CPU
+    assert rc == 1 and "PRETRAIN_KERNELS='cudnn' is not an attention path; choose one of flash_attn, triton, flex, sdpa" in err[0]
+    rc, _, err = run(code, PRETRAIN_KERNELS="attention=triton", TRITON_INTERPRET="0")  # a GPU kernel on the CPU
     assert rc == 1 and "the attention path 'triton' (forced by PRETRAIN_KERNELS) cannot serve this call" in err[0]
     rc, _, err = run(code, PRETRAIN_KERNELS="attention")
     assert rc == 1 and "each entry must be op=path" in err[0]

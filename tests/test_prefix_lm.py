@@ -67,7 +67,7 @@ def test_trains_through_the_trainer(tmp_path):
     records = read_metrics(str(tmp_path / "run"))
     assert [r["step"] for r in records] == list(range(1, 9))
     assert records[-1]["loss"] < records[0]["loss"] and "val_loss" in records[-1]
-    assert "kernels: attention sdpa, lm_loss reference" in lines  # its mask is no causal one: SDPA, explicit mask
+    assert "kernels: attention sdpa, lm_loss reference, rms_norm torch" in lines  # its mask is no causal one: SDPA, explicit mask
 
 
 def test_nothing_outside_its_file_names_it():

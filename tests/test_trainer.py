@@ -82,7 +82,7 @@ def test_diagnostics_and_the_step_context(tmp_path, corpus):
         if "val_loss" in r:
             assert r["val_loss_copy"] == pytest.approx(r["val_loss"], rel=1e-9)
     assert sum(f"| draw {records[0]['draw']:.4g} |" in ln for ln in lines) == 1  # on the progress line
-    assert [ln for ln in lines if ln.startswith("kernels: ")] == ["kernels: attention sdpa, lm_loss reference"]  # once
+    assert [ln for ln in lines if ln.startswith("kernels: ")] == ["kernels: attention sdpa, lm_loss reference, rms_norm torch"]  # once
 
 
 def test_generate_and_eval_from_the_run(tmp_path, corpus):

@@ -13,6 +13,8 @@ the offset into that trimmed cache: causal and window masks depend only on relat
 
 Paths (kernels/registry.py), picked per call by priority among those whose capability check accepts
 the call (devices, dtypes, shapes, whether autograd needs a backward: Python values, never tensor data):
+    "flash_attn" the flash-attn package's varlen kernel (flash_varlen.py), when installed: CUDA, bf16/fp16,
+                 causal masks with packed documents (cu_seqlens from the ids) and sliding windows
     "triton"     block-sparse flash attention from the mask's column runs (triton_path.py,
                  triton_kernels.py): CUDA, every mask that declares its runs (the fastest there, measured);
                  on a CPU only forced, under TRITON_INTERPRET=1 (the tests)
@@ -31,7 +33,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from kernels import registry
-from kernels.attention import flex, masks, reference, sdpa, triton_path
+from kernels.attention import flash_varlen, flex, masks, reference, sdpa, triton_path
 from kernels.attention.masks import Mask, causal, decoder_mask, document, full, is_causal, prefix, window
 from kernels.attention.reference import document_causal_mask
 
@@ -47,6 +49,7 @@ def _block_sparse(capable, name):
     return check
 
 
+OP.register("flash_attn", flash_varlen.attention, _block_sparse(flash_varlen.capable, "flash_attn"), priority=40)
 OP.register("triton", triton_path.attention, _block_sparse(triton_path.capable, "triton"), priority=30)
 OP.register("flex", flex.attention, _block_sparse(flex.capable, "flex"), priority=20)
 OP.register("sdpa", sdpa.attention, priority=10)
