@@ -1,7 +1,12 @@
 """Attention paths side by side, per mask (issue 28).
 
     PYTHONPATH=. python benchmarks/bench_attention.py            # CUDA: every path and mask, N = 4,096 and 8,192
-    PYTHONPATH=. python benchmarks/bench_attention.py --cpu      # CPU: an SPS model's evaluation, FlexAttention vs SDPA
+    PYTHONPATH=. python benchmarks/bench_attention.py --cpu      # RT (--rt): one RT layer (d 1024, 16 heads, ALiBi, fp32) over N = 512 positions, batch 8: the tile schedule
+with the PyTorch tile (tiled.py) against the same schedule with the Triton tile kernels (triton_tile.py),
+leaf 1 and leaf 16 (fewer launches), forward and forward + backward, and the largest difference of z.
+
+CPU: an SPS model's evaluation, FlexAttention vs SDPA
+    PYTHONPATH=. python benchmarks/bench_attention.py --rt       # CUDA: the RT tile as Triton kernels vs PyTorch
 
 CUDA: for each mask (causal; causal + packed documents; the same with a 256-token window; the four SPS
 masks over N slots, i.e. N / 2 tokens, w = 64) and each capable path (sdpa with the dense mask or its
@@ -11,6 +16,10 @@ key/value heads), head dim 64. TFLOP/s count useful work only: 4 * D multiply-ad
 TFLOP/s (SDPA over every pair, no mask) by the path's: the aim is at most 1.2. Each mask's line also says
 which share of 64 x 64 tiles (the Triton kernel's) and 128 x 128 tiles (FlexAttention's) are empty, partial
 and full, which is what the masked paths' speed follows.
+
+RT (--rt): one RT layer (d 1024, 16 heads, ALiBi, fp32) over N = 512 positions, batch 8: the tile schedule
+with the PyTorch tile (tiled.py) against the same schedule with the Triton tile kernels (triton_tile.py),
+leaf 1 and leaf 16 (fewer launches), forward and forward + backward, and the largest difference of z.
 
 CPU: an SPS model (d 256, 2 layers, 4 heads of 64) evaluated (no_grad logits) at T = 2,048 and 4,096 tokens
 through the automatic path (FlexAttention at these lengths) and with SDPA forced, best of 3 after a warm-up.
@@ -173,9 +182,33 @@ def cpu(args) -> None:
               f"{(got - want).abs().max().item():>10.1e}", flush=True)
 
 
+def rt(args) -> None:
+    from kernels.rt_prefill import tiled, triton_tile
+    from pretrain.models.rt import RT, LayerView, RTConfig
+
+    torch.manual_seed(0)
+    model = RT(RTConfig(vocab_size=128, d_model=1024, n_layers=1, n_heads=16, max_seq_len=512)).cuda()
+    view = LayerView(model.blocks[0], None, 0)
+    x = torch.randn(8, 512, 1024, device="cuda")
+    print(f"{torch.cuda.get_device_name()} | RT layer d 1024, 16 heads, N 512, batch 8, fp32")
+    print(f"{'tile':>8} {'leaf':>4} {'fwd ms':>8} {'f+b ms':>8} {'max |z diff|':>12}")
+    with torch.no_grad():
+        want = tiled.forward(x, view, 1)[0]
+    for name, ops in (("pytorch", tiled.TORCH_OPS), ("triton", triton_tile.OPS)):
+        for leaf in (1, 16):
+            with torch.no_grad():
+                z = tiled.forward(x, view, leaf, ops=ops)[0]
+                t_f = cuda_time(lambda: tiled.forward(x, view, leaf, ops=ops), reps=3)
+            xg = x.detach().requires_grad_()
+            t_fb = cuda_time(lambda: tiled.prefill(xg, view, leaf, ops=ops).sum().backward(), reps=3)
+            print(f"{name:>8} {leaf:>4} {t_f * 1e3:>8.1f} {t_fb * 1e3:>8.1f} {(z - want).abs().max().item():>12.2e}",
+                  flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="the CPU evaluation benchmark instead of the CUDA one")
+    ap.add_argument("--rt", action="store_true", help="CUDA: the RT tile kernels against the PyTorch tile")
     ap.add_argument("--N", type=int, nargs="+", default=[4096, 8192], help="CUDA: sequence lengths (slots)")
     ap.add_argument("--T", type=int, nargs="+", default=[2048, 4096], help="CPU: tokens per sample")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
@@ -185,7 +218,7 @@ def main() -> None:
     elif not torch.cuda.is_available():
         sys.exit("bench_attention: no CUDA device here; run with --cpu for the CPU benchmark")
     else:
-        gpu(args)
+        rt(args) if args.rt else gpu(args)
 
 
 if __name__ == "__main__":

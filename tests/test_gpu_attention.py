@@ -138,3 +138,28 @@ def test_the_dispatcher_picks_a_block_sparse_path_for_masked_training_on_cuda():
     strided = masks.causal() & masks.Mask(lambda b, h, qi, kv: (qi - kv) % 2 == 0, "strided")
     attn.attention(q, k, v, strided).sum().backward()
     assert attn.paths_used() == {"flex"}
+
+
+@pytest.mark.parametrize("leaf", [1, 16])
+def test_rt_triton_tile_on_cuda_matches_the_naive_loop(leaf):
+    """The RT layer through the Triton tile kernels on the device against the naive loop (float64, CPU
+    oracle on the same weights): z and the input gradient."""
+    from kernels.rt_prefill import reference, tiled, triton_tile
+    from pretrain.models.rt import RT, LayerView, RTConfig
+
+    torch.manual_seed(0)
+    model = RT(RTConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, max_seq_len=128))
+    N = 77
+    x = torch.randn(2, N, 64)
+    g = torch.randn(2, N, 64)
+    x64 = x.double().requires_grad_()
+    m64 = RT(RTConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, max_seq_len=128)).double()
+    m64.load_state_dict(model.state_dict())
+    want = reference.prefill(x64, LayerView(m64.blocks[0], None, 0))
+    (want_dx,) = torch.autograd.grad(want, x64, g.double())
+    model = model.cuda()
+    xc = x.cuda().requires_grad_()
+    z = tiled.prefill(xc, LayerView(model.blocks[0], None, 0), leaf, ops=triton_tile.OPS)
+    (dx,) = torch.autograd.grad(z, xc, g.cuda())
+    torch.testing.assert_close(z.double().cpu(), want.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dx.double().cpu(), want_dx, rtol=1e-3, atol=1e-3)
