@@ -38,6 +38,24 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _load2(X, base, idx, stride, offs_d, ok):
+    """Rows idx of one [n, D] slice (X + base), zero where masked."""
+    return tl.load(X + base + idx[:, None] * stride + offs_d[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
+def _query_block(H, GROUP, Tq, D, BM: tl.constexpr, BD: tl.constexpr):
+    """This program's (query block, sample * heads + head, sample, head, key/value head, rows, head-dim
+    offsets, load mask) in the grid (query blocks, B * H)."""
+    qb = tl.program_id(0)
+    bh = tl.program_id(1)
+    h = bh % H
+    rows = qb * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, BD)
+    return qb, bh, bh // H, h, h // GROUP, rows, offs_d, (rows[:, None] < Tq) & (offs_d[None, :] < D)
+
+
+@triton.jit
 def _visible(RUNS, rb, rows, cols, Tk, R: tl.constexpr):
     """[BM, BN] bool: row i sees column k, from the runs of column k (RUNS + rb: this sample's runs)."""
     col_ok = cols < Tk
@@ -57,8 +75,8 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, kb, kbase, vbase, skt, svt, rows, offs_d, 
               MASKED: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     cols = kb * BN + tl.arange(0, BN)
     kv_ok = (cols[:, None] < Tk) & (offs_d[None, :] < D)
-    k = tl.load(K + kbase + cols[:, None] * skt + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V + vbase + cols[:, None] * svt + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = _load2(K, kbase, cols, skt, offs_d, kv_ok)
+    v = _load2(V, vbase, cols, svt, offs_d, kv_ok)
     s = _dot(q, tl.trans(k), PREC) * qk_scale
     if MASKED:
         ok = _visible(RUNS, rb, rows, cols, Tk, R)
@@ -79,15 +97,8 @@ def _fwd(Q, K, V, O, LSE, RUNS, PN, PI, FN, FI,
          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, s_runs, s_num, s_list,
          H, GROUP, Tq, Tk, D, NKB, qk_scale,
          R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // GROUP
-    rows = qb * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BD)
-    q_ok = (rows[:, None] < Tq) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], mask=q_ok, other=0.0)
+    qb, bh, b, h, kvh, rows, offs_d, q_ok = _query_block(H, GROUP, Tq, D, BM, BD)
+    q = _load2(Q, b * sqb + h * sqh, rows, sqt, offs_d, q_ok)
     kbase = b * skb + kvh * skh
     vbase = b * svb + kvh * svh
     rb = b * s_runs
@@ -125,8 +136,8 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, qb, qbase, dobase, lbase, sqt,
                  RUNS, rb, qk_scale, MASKED: tl.constexpr, R: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     rows = qb * BM + tl.arange(0, BM)
     q_ok = (rows[:, None] < Tq) & (offs_d[None, :] < D)
-    q = tl.load(Q + qbase + rows[:, None] * sqt + offs_d[None, :], mask=q_ok, other=0.0)
-    do = tl.load(DO + dobase + rows[:, None] * sdot + offs_d[None, :], mask=q_ok, other=0.0)
+    q = _load2(Q, qbase, rows, sqt, offs_d, q_ok)
+    do = _load2(DO, dobase, rows, sdot, offs_d, q_ok)
     lse = tl.load(LSE + lbase + rows, mask=rows < Tq, other=float("inf"))
     delta = tl.load(DELTA + lbase + rows, mask=rows < Tq, other=0.0)
     p = _probs(q, k, lse, rows, cols, Tk, RUNS, rb, qk_scale, MASKED, R, PREC)
@@ -148,8 +159,8 @@ def _bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV, RUNS, PN, PI, FN, FI,
     cols = kb * BN + tl.arange(0, BN)
     offs_d = tl.arange(0, BD)
     kv_ok = (cols[:, None] < Tk) & (offs_d[None, :] < D)
-    k = tl.load(K + b * skb + kvh * skh + cols[:, None] * skt + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svt + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = _load2(K, b * skb + kvh * skh, cols, skt, offs_d, kv_ok)
+    v = _load2(V, b * svb + kvh * svh, cols, svt, offs_d, kv_ok)
     dk = tl.zeros((BN, BD), tl.float32)
     dv = tl.zeros((BN, BD), tl.float32)
     rb = b * s_runs
@@ -177,8 +188,8 @@ def _bwd_q_tile(dq, q, do, lse, delta, K, V, kb, kbase, vbase, skt, svt, rows, o
                 MASKED: tl.constexpr, R: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     cols = kb * BN + tl.arange(0, BN)
     kv_ok = (cols[:, None] < Tk) & (offs_d[None, :] < D)
-    k = tl.load(K + kbase + cols[:, None] * skt + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(V + vbase + cols[:, None] * svt + offs_d[None, :], mask=kv_ok, other=0.0)
+    k = _load2(K, kbase, cols, skt, offs_d, kv_ok)
+    v = _load2(V, vbase, cols, svt, offs_d, kv_ok)
     p = _probs(q, k, lse, rows, cols, Tk, RUNS, rb, qk_scale, MASKED, R, PREC)
     ds = p * (_dot(do, tl.trans(v), PREC) - delta[:, None])
     return dq + _dot(ds.to(k.dtype), k, PREC)
@@ -189,16 +200,9 @@ def _bwd_q(Q, K, V, DO, LSE, DELTA, DQ, RUNS, PN, PI, FN, FI,
            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, s_runs, s_num, s_list,
            H, GROUP, Tq, Tk, D, NKB, qk_scale, sm_scale,
            R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    qb = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    kvh = h // GROUP
-    rows = qb * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, BD)
-    q_ok = (rows[:, None] < Tq) & (offs_d[None, :] < D)
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], mask=q_ok, other=0.0)
-    do = tl.load(DO + b * sdob + h * sdoh + rows[:, None] * sdot + offs_d[None, :], mask=q_ok, other=0.0)
+    qb, bh, b, h, kvh, rows, offs_d, q_ok = _query_block(H, GROUP, Tq, D, BM, BD)
+    q = _load2(Q, b * sqb + h * sqh, rows, sqt, offs_d, q_ok)
+    do = _load2(DO, b * sdob + h * sdoh, rows, sdot, offs_d, q_ok)
     lse = tl.load(LSE + bh * Tq + rows, mask=rows < Tq, other=float("inf"))
     delta = tl.load(DELTA + bh * Tq + rows, mask=rows < Tq, other=0.0)
     kbase = b * skb + kvh * skh

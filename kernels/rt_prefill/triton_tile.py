@@ -36,6 +36,38 @@ def _scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
+def _load2(X, base, idx, stride, dd, ok):
+    """Rows idx of one [n, D] slice (X + base) as fp32, zero where masked."""
+    return tl.load(X + base + idx[:, None] * stride + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _slope(SLOPES, h, HAS_ALIBI: tl.constexpr):
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h).to(tl.float32)
+    return slope
+
+
+@triton.jit
+def _query_rows(QS, G, DL, LSE, b, h, rows, dd, nq, D, sqb, sqh, sqt, sgb, sgh, sgt, sdb, sdh, sdt, seb, seh, set_):
+    """A block of the tile's queries for the backward: (row mask, scaled q, dL/dA, D = <A, g>, lse)."""
+    r_ok = rows < nq
+    q_ok = r_ok[:, None] & (dd[None, :] < D)
+    return (r_ok, _load2(QS, b * sqb + h * sqh, rows, sqt, dd, q_ok), _load2(G, b * sgb + h * sgh, rows, sgt, dd, q_ok),
+            tl.load(DL + b * sdb + h * sdh + rows * sdt, mask=r_ok, other=0.0),
+            tl.load(LSE + b * seb + h * seh + rows * set_, mask=r_ok, other=0.0))
+
+
+@triton.jit
+def _key_cols(K, V, b, h, cols, dd, nk, D, skb, skh, skt, svb, svh, svt):
+    """A block of the tile's keys: (column mask, k, v)."""
+    c_ok = cols < nk
+    kv_ok = c_ok[:, None] & (dd[None, :] < D)
+    return c_ok, _load2(K, b * skb + h * skh, cols, skt, dd, kv_ok), _load2(V, b * svb + h * svh, cols, svt, dd, kv_ok)
+
+
+@triton.jit
 def _rt_fwd(QS, K, V, M, L, O, SLOPES, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, smb, smh, smt, slb, slh, slt,
             sob, soh, sot, H, nq, nk, D, q0, k0,
             HAS_ALIBI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
@@ -46,19 +78,14 @@ def _rt_fwd(QS, K, V, M, L, O, SLOPES, sqb, sqh, sqt, skb, skh, skt, svb, svh, s
     dd = tl.arange(0, BD)
     r_ok = rows < nq
     q_ok = r_ok[:, None] & (dd[None, :] < D)
-    q = tl.load(QS + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=q_ok, other=0.0)
+    q = _load2(QS, b * sqb + h * sqh, rows, sqt, dd, q_ok)
     m = tl.load(M + b * smb + h * smh + rows * smt, mask=r_ok, other=0.0)
     l = tl.load(L + b * slb + h * slh + rows * slt, mask=r_ok, other=0.0)
     acc = tl.load(O + b * sob + h * soh + rows[:, None] * sot + dd[None, :], mask=q_ok, other=0.0)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(SLOPES + h).to(tl.float32)
+    slope = _slope(SLOPES, h, HAS_ALIBI)
     for start in range(0, nk, BN):
         cols = start + tl.arange(0, BN)
-        c_ok = cols < nk
-        kv_ok = c_ok[:, None] & (dd[None, :] < D)
-        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        c_ok, k, v = _key_cols(K, V, b, h, cols, dd, nk, D, skb, skh, skt, svb, svh, svt)
         s = tl.where(c_ok[None, :], _scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI), float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         c = tl.exp(m - m_new)
@@ -80,23 +107,15 @@ def _rt_bwd_kv(QS, K, V, G, DL, LSE, SLOPES, DK, DV, sqb, sqh, sqt, skb, skh, sk
     h = bh % H
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     dd = tl.arange(0, BD)
-    c_ok = cols < nk
+    c_ok, k, v = _key_cols(K, V, b, h, cols, dd, nk, D, skb, skh, skt, svb, svh, svt)
     kv_ok = c_ok[:, None] & (dd[None, :] < D)
-    k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-    v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(SLOPES + h).to(tl.float32)
+    slope = _slope(SLOPES, h, HAS_ALIBI)
     dk = tl.zeros((BN, BD), tl.float32)
     dv = tl.zeros((BN, BD), tl.float32)
     for start in range(0, nq, BM):
         rows = start + tl.arange(0, BM)
-        r_ok = rows < nq
-        q_ok = r_ok[:, None] & (dd[None, :] < D)
-        q = tl.load(QS + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=q_ok, other=0.0)
-        g = tl.load(G + b * sgb + h * sgh + rows[:, None] * sgt + dd[None, :], mask=q_ok, other=0.0)
-        delta = tl.load(DL + b * sdb + h * sdh + rows * sdt, mask=r_ok, other=0.0)
-        lse = tl.load(LSE + b * seb + h * seh + rows * set_, mask=r_ok, other=0.0)
+        r_ok, q, g, delta, lse = _query_rows(QS, G, DL, LSE, b, h, rows, dd, nq, D, sqb, sqh, sqt, sgb, sgh, sgt,
+                                             sdb, sdh, sdt, seb, seh, set_)
         p = tl.exp(_scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI) - lse[:, None])
         p = tl.where(r_ok[:, None] & c_ok[None, :], p, 0.0)
         dv += tl.dot(tl.trans(p), g, input_precision="ieee")
@@ -116,22 +135,14 @@ def _rt_bwd_q(QS, K, V, G, DL, LSE, SLOPES, DQ, sqb, sqh, sqt, skb, skh, skt, sv
     h = bh % H
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     dd = tl.arange(0, BD)
-    r_ok = rows < nq
+    r_ok, q, g, delta, lse = _query_rows(QS, G, DL, LSE, b, h, rows, dd, nq, D, sqb, sqh, sqt, sgb, sgh, sgt,
+                                         sdb, sdh, sdt, seb, seh, set_)
     q_ok = r_ok[:, None] & (dd[None, :] < D)
-    q = tl.load(QS + b * sqb + h * sqh + rows[:, None] * sqt + dd[None, :], mask=q_ok, other=0.0)
-    g = tl.load(G + b * sgb + h * sgh + rows[:, None] * sgt + dd[None, :], mask=q_ok, other=0.0)
-    delta = tl.load(DL + b * sdb + h * sdh + rows * sdt, mask=r_ok, other=0.0)
-    lse = tl.load(LSE + b * seb + h * seh + rows * set_, mask=r_ok, other=0.0)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(SLOPES + h).to(tl.float32)
+    slope = _slope(SLOPES, h, HAS_ALIBI)
     dq = tl.zeros((BM, BD), tl.float32)
     for start in range(0, nk, BN):
         cols = start + tl.arange(0, BN)
-        c_ok = cols < nk
-        kv_ok = c_ok[:, None] & (dd[None, :] < D)
-        k = tl.load(K + b * skb + h * skh + cols[:, None] * skt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
-        v = tl.load(V + b * svb + h * svh + cols[:, None] * svt + dd[None, :], mask=kv_ok, other=0.0).to(tl.float32)
+        c_ok, k, v = _key_cols(K, V, b, h, cols, dd, nk, D, skb, skh, skt, svb, svh, svt)
         p = tl.exp(_scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI) - lse[:, None])
         p = tl.where(r_ok[:, None] & c_ok[None, :], p, 0.0)
         ds = p * (tl.dot(g, tl.trans(v), input_precision="ieee") - delta[:, None])
