@@ -41,11 +41,12 @@ OP = registry.op("attention", legacy_env="PRETRAIN_ATTENTION")
 
 
 def _block_sparse(capable, name):
-    """A block-sparse path's check: its own, and not plain causal attention unless forced."""
+    """A block-sparse path's check: its own (told whether the path is forced), and not plain causal
+    attention unless forced."""
     def check(q, k, v, mask, offset=0, *rest, **kw):
         forced = OP.forced == name
         return (forced or not is_causal(mask, q.shape[-2], k.shape[-2], offset)) and capable(
-            q, k, v, mask, offset, *rest, **kw, **({"forced": forced} if name == "triton" else {}))
+            q, k, v, mask, offset, *rest, forced=forced, **kw)
     return check
 
 

@@ -55,7 +55,7 @@ def cu_seqlens(doc_ids: Tensor | None, B: int, T: int, device) -> tuple[Tensor, 
 
 
 def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
-            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None) -> bool:
+            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> bool:
     return (HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and k.dtype == v.dtype == q.dtype and offset == 0 and q.shape[-2] == k.shape[-2]
             and alibi_slopes is None and q.shape[-1] <= 256 and decoder_parts(mask) is not None)

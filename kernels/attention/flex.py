@@ -50,7 +50,7 @@ def _needs_grad(*tensors: Tensor) -> bool:
 
 
 def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
-            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None) -> bool:
+            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> bool:
     if dropout_p or alibi_slopes is not None or q.shape[-1] not in HEAD_DIMS or q.dtype not in (
             torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype):
         return False
