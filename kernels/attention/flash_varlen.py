@@ -74,7 +74,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scal
         cu, longest = cache[1]
     else:
         cu, longest = cu_seqlens(doc_ids, B, T, q.device)
-        mask._varlen_cache = (key, (cu, longest))
+        if not torch.compiler.is_compiling():
+            mask._varlen_cache = (key, (cu, longest))
     flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]  # [B*T, heads, D]
     out = varlen(*flat, cu, cu, longest, longest, dropout_p=dropout_p, softmax_scale=scale, causal=True,
                  window_size=(window - 1, 0) if window else (-1, -1))
