@@ -209,6 +209,10 @@ class Document(Mask):
         first, end = document_bounds(self.doc_ids)
         return _run(first[:, :Tk] - offset, end[:, :Tk] - offset, Tq)
 
+    def dense(self, B, H, Tq, Tk, offset=0, device=None):
+        d = self.doc_ids
+        return (d[:, offset:offset + Tq, None] == d[:, None, :Tk])[:, None]
+
 
 def document_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
     """Packed document ids [B, T] -> (first, end) [B, T]: the stretch [first, end) of each position's
@@ -221,10 +225,6 @@ def document_bounds(doc_ids: Tensor) -> tuple[Tensor, Tensor]:
     first = torch.where(new, pos, 0).cummax(-1).values
     last = torch.where(new.roll(-1, -1) | (pos == T - 1), pos, T).flip(-1).cummin(-1).values.flip(-1)
     return first, last + 1
-
-    def dense(self, B, H, Tq, Tk, offset=0, device=None):
-        d = self.doc_ids
-        return (d[:, offset:offset + Tq, None] == d[:, None, :Tk])[:, None]
 
 
 class Full(Mask):
