@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.norms import layer_norm, rms_norm
+from kernels.norms import at_least_fp32, layer_norm, rms_norm
 from parallel.mesh import layout
 
 
@@ -28,12 +28,6 @@ def _normal(std: float, trunc: float = 0.0):
     if trunc:
         return lambda w: nn.init.trunc_normal_(w, mean=0.0, std=std, a=-trunc * std, b=trunc * std)
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
-
-
-def _at_least_fp32(x: Tensor) -> Tensor:
-    """Norm statistics and logits in float32 under bf16, kept in float64 when computed in it (the
-    numerical tests compare paths, values and gradients, in float64)."""
-    return x if x.dtype == torch.float64 else x.float()
 
 
 class ColumnLinear(nn.Linear):
@@ -107,7 +101,7 @@ class RMSNorm(nn.Module):
 
     def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
         """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
-        x32 = _at_least_fp32(x)
+        x32 = at_least_fp32(x)
         gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
         rho = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (rho * gdy - x32 * rho.pow(3) * (x32 * gdy).mean(-1, keepdim=True)).to(x.dtype)
@@ -132,7 +126,7 @@ class LayerNorm(nn.Module):
 
     def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
         """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
-        x32 = _at_least_fp32(x)
+        x32 = at_least_fp32(x)
         gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
         centred = x32 - x32.mean(-1, keepdim=True)
         rho = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -265,7 +259,7 @@ class LMHead(nn.Module):
     def _local_logits(self, h: Tensor) -> Tensor:
         lay = layout()
         if not lay.megatron_layers:
-            return _at_least_fp32(F.linear(h, self.weight))
+            return at_least_fp32(F.linear(h, self.weight))
         from megatron.core.tensor_parallel import mappings
 
         if lay.sp:  # [B, T/tp, d] -> [B, T, d]; the backward reduce-scatters the vocab-partial grads

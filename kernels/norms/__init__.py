@@ -40,18 +40,20 @@ def _apex_norms():
 APEX = _apex_norms()
 
 
-def _fp32(x: Tensor) -> Tensor:
+def at_least_fp32(x: Tensor) -> Tensor:
+    """Norm statistics (and the models' logits) in float32 under bf16, kept in float64 when computed in
+    it (the numerical tests compare paths, values and gradients, in float64)."""
     return x if x.dtype == torch.float64 else x.float()
 
 
 def rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    x32 = _fp32(x)
+    x32 = at_least_fp32(x)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.to(x32.dtype)).to(x.dtype)
 
 
 def layer_norm_torch(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
-    x32 = _fp32(x)
+    x32 = at_least_fp32(x)
     b = None if bias is None else bias.to(x32.dtype)
     return torch.nn.functional.layer_norm(x32, x.shape[-1:], weight.to(x32.dtype), b, eps).to(x.dtype)
 
