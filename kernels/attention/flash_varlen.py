@@ -68,14 +68,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scal
         from flash_attn import flash_attn_varlen_func as varlen
     doc_ids, window = decoder_parts(mask)
     B, H, T, D = q.shape
-    key = ("varlen", B, T, str(q.device))
-    cache = getattr(mask, "_varlen_cache", None)
-    if cache is not None and cache[0] == key:
-        cu, longest = cache[1]
-    else:
-        cu, longest = cu_seqlens(doc_ids, B, T, q.device)
-        if not torch.compiler.is_compiling():
-            mask._varlen_cache = (key, (cu, longest))
+    cu, longest = mask.cached(("varlen", B, T, str(q.device)), lambda: cu_seqlens(doc_ids, B, T, q.device))
     flat = [t.transpose(1, 2).reshape(B * T, t.shape[1], D) for t in (q, k, v)]  # [B*T, heads, D]
     out = varlen(*flat, cu, cu, longest, longest, dropout_p=dropout_p, softmax_scale=scale, causal=True,
                  window_size=(window - 1, 0) if window else (-1, -1))

@@ -64,21 +64,17 @@ def block_mask(mask: Mask, B: int, Tq: int, Tk: int, offset: int, device):
     """The BlockMask of `mask` at this shape (cached on the mask value outside compiled regions)."""
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-    key = ("flex", B, Tq, Tk, offset, str(device))
-    cache = getattr(mask, "_flex_cache", None)
-    if cache is not None and cache[0] == key:
-        return cache[1]
     def mod(b, h, q, kv):  # four named arguments: FlexAttention reads the signature (`&` masks take *i)
         return mask.mask_mod(b, h, q + offset, kv)
-    if mask.runs is not None:  # the tile lists the Triton kernel reads, in FlexAttention's layout
-        t = tile_lists(mask, B, Tq, Tk, offset, BLOCK, BLOCK, device)
-        bm = BlockMask.from_kv_blocks(t.q_partial_num[:, None], t.q_partial[:, None], t.q_full_num[:, None],
-                                      t.q_full[:, None], BLOCK_SIZE=BLOCK, mask_mod=mod, seq_lengths=(Tq, Tk))
-    else:
-        bm = create_block_mask(mod, B, None, Tq, Tk, device=device, BLOCK_SIZE=BLOCK)
-    if not torch.compiler.is_compiling():
-        mask._flex_cache = (key, bm)
-    return bm
+
+    def build():
+        if mask.runs is None:
+            return create_block_mask(mod, B, None, Tq, Tk, device=device, BLOCK_SIZE=BLOCK)
+        t = tile_lists(mask, B, Tq, Tk, offset, BLOCK, BLOCK, device)  # the Triton kernel's lists, Flex's layout
+        return BlockMask.from_kv_blocks(t.q_partial_num[:, None], t.q_partial[:, None], t.q_full_num[:, None],
+                                        t.q_full[:, None], BLOCK_SIZE=BLOCK, mask_mod=mod, seq_lengths=(Tq, Tk))
+
+    return mask.cached(("flex", B, Tq, Tk, offset, str(device)), build)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,

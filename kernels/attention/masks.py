@@ -86,6 +86,19 @@ class Mask:
     def simplify(self, Tq: int, Tk: int, offset: int = 0) -> "Mask":
         return self
 
+    def cached(self, key: tuple, build: Callable[[], object]):
+        """build(), kept on this mask value for the next call with the same key (the same view at the same
+        shape: every layer of one forward shares it), one entry per view name key[0]; stored only outside
+        compiled regions (inside one the value is part of the traced graph)."""
+        views = self.__dict__.setdefault("_views", {})
+        hit = views.get(key[0])
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        value = build()
+        if not torch.compiler.is_compiling():
+            views[key[0]] = (key, value)
+        return value
+
     def closed_runs(self, B: int, Tq: int, Tk: int, offset: int = 0, device=None) -> Tensor | None:
         """int [B or 1, Tk, 1, 2]: each key column's one run [start, end) of visible query rows (0 .. Tq,
         relative to the first query), where this mask knows it in closed form; None otherwise."""

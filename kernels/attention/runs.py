@@ -125,14 +125,9 @@ class TileLists:
 def tile_lists(mask: Mask, B: int, Tq: int, Tk: int, offset: int, block_q: int, block_k: int, device) -> TileLists:
     """The runs and tile lists of `mask` at this shape. Cached on the mask value (every layer of one
     forward shares it) outside compiled regions."""
-    key = ("tiles", B, Tq, Tk, offset, block_q, block_k, str(device))
-    cache = getattr(mask, "_kernel_cache", None)
-    compiling = torch.compiler.is_compiling()
-    if cache is not None and cache[0] == key and not compiling:
-        return cache[1]
-    runs = column_runs(mask, B, Tq, Tk, offset, device)
-    classes = tile_classes(runs, Tq, Tk, block_q, block_k)
-    lists = TileLists(runs, *_lists(classes), *_lists(classes.transpose(1, 2)), classes)
-    if not compiling:
-        mask._kernel_cache = (key, lists)
-    return lists
+    def build() -> TileLists:
+        runs = column_runs(mask, B, Tq, Tk, offset, device)
+        classes = tile_classes(runs, Tq, Tk, block_q, block_k)
+        return TileLists(runs, *_lists(classes), *_lists(classes.transpose(1, 2)), classes)
+
+    return mask.cached(("tiles", B, Tq, Tk, offset, block_q, block_k, str(device)), build)
