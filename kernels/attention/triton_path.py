@@ -12,22 +12,15 @@ lists) and 16 x 16 in the interpreter (small shapes, many tiles of every kind).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 from torch import Tensor
 
 from kernels.attention.masks import Mask
 from kernels.attention.reference import check_heads
 from kernels.attention.runs import tile_lists
+from kernels.triton_support import triton_can_run
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HAVE_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def blocks(q: Tensor) -> tuple[int, int]:
@@ -36,7 +29,7 @@ def blocks(q: Tensor) -> tuple[int, int]:
 
 def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
             dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> bool:
-    return (_HAVE_TRITON and (q.is_cuda or (forced and interpreting() and q.device.type == "cpu"))
+    return (triton_can_run(q) and (q.is_cuda or forced)
             and dropout_p == 0 and alibi_slopes is None and mask.runs is not None
             and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] <= 256)
 

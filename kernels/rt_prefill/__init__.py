@@ -15,14 +15,12 @@ values), `offset` the position of x's first token. Paths (kernels/registry.py):
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 from torch import Tensor
 
 from kernels import registry
 from kernels.rt_prefill import reference, schedule, tiled
+from kernels.triton_support import triton_can_run
 
 OP = registry.op("rt_prefill")
 OP.register("tiled", tiled.prefill, priority=10)
@@ -36,9 +34,7 @@ def _triton(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:
 
 
 def _triton_capable(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> bool:
-    on_device = x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-    return (on_device and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and importlib.util.find_spec("triton") is not None)
+    return triton_can_run(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 OP.register("triton", _triton, _triton_capable, priority=20, auto=False)
