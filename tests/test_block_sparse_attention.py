@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kernels.attention as attn
-from kernels.attention import flex, masks, reference, runs, triton_path
+from kernels.attention import masks, reference, runs, triton_path
 from pretrain.models.sps import VARIANTS, SlotMask, slot_tables
 
 triton = pytest.importorskip("triton", reason="needs Triton (its interpreter runs the kernels on a CPU)")
@@ -300,17 +300,16 @@ def test_without_flash_attn_or_apex_the_fallbacks_serve_silently(recwarn):
     warns; the norms run the torch formula the models always used."""
     import importlib.util
 
-    from kernels import norms
+    from kernels import norms, registry
     from kernels.attention import flash_varlen
 
     assert importlib.util.find_spec("flash_attn") is None and not flash_varlen.HAVE_FLASH_ATTN
     assert norms.APEX is None
     x, w, b = torch.randn(3, 5, 8), torch.rand(8) + 0.5, torch.randn(8)
-    registry_used = __import__("kernels").registry
-    registry_used.reset_paths_used()
+    registry.reset_paths_used()
     y = norms.rms_norm(x, w, 1e-5)
     z = norms.layer_norm(x, w, b, 1e-5)
-    assert registry_used.paths_used()["rms_norm"] == ["torch"] and registry_used.paths_used()["layer_norm"] == ["torch"]
+    assert registry.paths_used()["rms_norm"] == ["torch"] and registry.paths_used()["layer_norm"] == ["torch"]
     torch.testing.assert_close(y, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w, rtol=0, atol=0)
     torch.testing.assert_close(z, torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5), rtol=0, atol=0)
     q, k, v = (t.float() for t in qkv(1, 2, 2, 9, 9, 16))

@@ -43,10 +43,10 @@ OP = registry.op("attention", legacy_env="PRETRAIN_ATTENTION")
 def _block_sparse(capable, name):
     """A block-sparse path's check: its own (told whether the path is forced), and not plain causal
     attention unless forced."""
-    def check(q, k, v, mask, offset=0, *rest, **kw):
+    def check(q, k, v, mask, offset=0, *rest, **kw):  # its own check first: it refuses most calls cheaply
         forced = OP.forced == name
-        return (forced or not is_causal(mask, q.shape[-2], k.shape[-2], offset)) and capable(
-            q, k, v, mask, offset, *rest, forced=forced, **kw)
+        return capable(q, k, v, mask, offset, *rest, forced=forced, **kw) and (
+            forced or not is_causal(mask, q.shape[-2], k.shape[-2], offset))
     return check
 
 
