@@ -522,7 +522,7 @@ def _generate(args) -> int:
 
     reset_paths_used()
     outs = generate(model, spec, [prompt] * args.num_samples, args.max_tokens, sampling["temperature"],
-                    int(sampling["top_k"]), sampling["top_p"], args.seed, eos_id=tok.eod_id)
+                    int(sampling["top_k"]), sampling["top_p"], args.seed, eos_id=tok.eod_id, pad_id=tok.pad_id)
     print(f"kernels: {describe_paths_used()}", file=sys.stderr)  # which path served each op (stdout: the text)
     for k, ids in enumerate(outs):
         if args.num_samples > 1:

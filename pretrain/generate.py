@@ -27,15 +27,20 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) 
 
 @torch.no_grad()
 def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> list[list[int]]:
-    """Continue each prompt (equal lengths) by up to max_tokens tokens; temperature 0 is greedy."""
+             top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
+             pad_id: int | None = None) -> list[list[int]]:
+    """Continue each prompt (equal lengths) by up to max_tokens tokens; temperature 0 is greedy. A row stops
+    at eos_id; pad_id (the tokenizer's) is never sampled, unless it is eos_id too."""
     if not prompt or not prompt[0]:
         raise ValueError("generation needs a non-empty prompt")
     device = next(model.parameters()).device
     tokens = torch.tensor(prompt, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    # ids the architecture uses internally (SPS's <predict>) are never sampled
-    never = sorted(spec.internal_tokens(model.cfg).values()) if spec.internal_tokens else []
+    # ids the architecture uses internally (SPS's <predict>) and padding are never sampled (spec-001 §2.6)
+    never = set(spec.internal_tokens(model.cfg).values()) if spec.internal_tokens else set()
+    if pad_id is not None and pad_id != eos_id:
+        never.add(pad_id)
+    never = sorted(never)
     state = spec.new_state(model, tokens.shape[0])
     logits, state = spec.step(model, tokens, state)
     out = [[] for _ in prompt]

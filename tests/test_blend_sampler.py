@@ -128,6 +128,9 @@ def test_collate_shifts_masks_and_restarts_positions():
     assert no_eod.loss_mask.tolist() == [[True, False, True]]
     padded = collate((np.array([[5, 6, 0, 0]]), np.zeros((1, 4), np.int32)), eod_id=None, pad_id=0)
     assert padded.loss_mask.tolist() == [[True, False, False]]
+    # a pad input before a real token trains nothing either (spec-001 §2.4: valid = idx != PAD and idx != EOS)
+    pad_input = collate((np.array([[5, 0, 7, 8]]), np.zeros((1, 4), np.int32)), eod_id=None, pad_id=0)
+    assert pad_input.loss_mask.tolist() == [[False, False, True]]
 
 
 def test_collate_refuses_bad_shapes():

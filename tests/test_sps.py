@@ -247,6 +247,28 @@ def test_predict_is_never_sampled_even_when_the_model_prefers_it():
         assert PREDICT not in out[0]
 
 
+def test_pad_is_never_sampled_and_eos_is_where_pad_doubles_as_eos():
+    """Spec §2.4/§2.6: sampling suppresses pad with <predict>; a tokenizer whose pad is its EOS keeps EOS."""
+    from pretrain.generate import generate
+
+    model, spec, prompt = model_of(), get_arch("sps"), tokens_of(1, 4)[0].tolist()
+    favour = model.norm.weight.detach().sign() * 50  # an embedding row the tied head then prefers
+    with torch.no_grad():
+        model.embed.weight[EOS] = favour
+    for temperature in (0, 1.0):  # EOS is sampled (and ends the row), pad id distinct or the same
+        for pad_id in (PAD, EOS):
+            assert generate(model, spec, [prompt], 6, temperature=temperature, seed=1, eos_id=EOS,
+                            pad_id=pad_id)[0] == [EOS]
+    with torch.no_grad():
+        model.embed.weight[EOS] = 0.0
+        model.embed.weight[PAD] = favour
+    for temperature in (0, 1.0):
+        out = generate(model, spec, [prompt], 6, temperature=temperature, seed=1, eos_id=EOS, pad_id=PAD)[0]
+        assert len(out) == 6 and PAD not in out
+        # without the tokenizer's pad id, pad is what it samples
+        assert generate(model, spec, [prompt], 1, temperature=temperature, seed=1, eos_id=EOS)[0] == [PAD]
+
+
 # -- T6: the layout ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_T6_the_de_interleaved_layout_equals_the_interleaved_definition(variant):
@@ -353,9 +375,11 @@ def test_T9_the_loss_is_the_mean_over_valid_predict_slots_and_the_head_sees_T_ro
     assert seen == [torch.Size([2, 19, 32])]  # T rows, not 2T
     with torch.no_grad():
         logits = model.head.logits(model._hidden(batch.tokens, batch.positions, batch.doc_ids))
-    valid = (batch.tokens != EOS) & (batch.labels != PAD)
-    assert torch.equal(batch.loss_mask, valid)  # EOS inputs and pad targets out, the EOS target kept
+    # spec §2.4: valid = (idx != PAD) & (idx != EOS), and §8 point 2: no pad target either
+    valid = (batch.tokens != PAD) & (batch.tokens != EOS) & (batch.labels != PAD)
+    assert torch.equal(batch.loss_mask, valid)  # EOS and pad inputs and pad targets out, the EOS target kept
     assert bool(batch.loss_mask[:, 8].all()) and batch.labels[0, 8] == EOS
+    assert batch.tokens[0, 16] == PAD and not batch.loss_mask[:, 16].any()  # a pad input, a real target
     want = F.cross_entropy(logits[valid], batch.labels[valid])
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=0)
     assert not (batch.labels == PREDICT).any()

@@ -53,7 +53,8 @@ def collate(
 
     With `mask_cross_document`, no loss at inputs that are the EOD token, nor where the target
     already belongs to the next document: that token is unpredictable from this document.
-    `pad_id` (optional) masks padding targets, for datasets that pad instead of packing.
+    `pad_id` (optional), for datasets that pad instead of packing: no loss where the input is padding
+    (spec-001 §2.4: valid = idx != PAD and idx != EOS) nor where the target is (§8 point 2).
     """
     tokens, doc_ids = _stack(samples)
     inputs, labels, docs = tokens[:, :-1], tokens[:, 1:], doc_ids[:, :-1]
@@ -64,7 +65,7 @@ def collate(
         if eod_id is not None:
             loss_mask &= inputs != eod_id
     if pad_id is not None:
-        loss_mask &= labels != pad_id
+        loss_mask &= (inputs != pad_id) & (labels != pad_id)
     col = np.arange(T, dtype=np.int64)
     if reset_positions:
         # Index where the current document began: running max of the document-start columns.
