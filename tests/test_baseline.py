@@ -109,11 +109,25 @@ def test_bf16_forward_and_backward_run_on_cpu():
      (dict(d_model=36, n_heads=12), "must be even for RoPE"),
      (dict(n_kv_heads=3), "model.n_kv_heads 3 must divide model.n_heads 4"),
      (dict(n_kv_heads=8), "model.n_kv_heads 8 must divide model.n_heads 4"),
-     (dict(n_kv_heads=-2), "model.n_kv_heads -2 must divide model.n_heads 4")],
+     (dict(n_kv_heads=-2), "model.n_kv_heads -2 must divide model.n_heads 4"),
+     (dict(document_mask=True, eos_id=97), "model.eos_id 97 must be a token id below model.vocab_size 97")],
 )
 def test_bad_model_config_is_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         tiny(**kw).validate()
+
+
+def test_document_masks_need_the_tokenizers_eos(tmp_path):
+    """Inference reads documents off the tokens by model.eos_id: with model.document_mask it must be the
+    tokenizer's EOS (checked when the run's config is validated, as SPS checks its ids)."""
+    from pretrain.config import load_config
+    from trainer_helpers import write_word_tokenizer
+
+    over = ["model.vocab_size=64", "data.train=[]", f"data.tokenizer={write_word_tokenizer(tmp_path / 't.json')}"]
+    with pytest.raises(ValueError, match=r"model.eos_id 5 is not data.tokenizer's end-of-document id 2; set model.eos_id=2$"):
+        load_config("baseline/tiny", over + ["model.document_mask=true", "model.eos_id=5"], check_data=False)
+    assert load_config("baseline/tiny", over + ["model.document_mask=true"], check_data=False).model.eos_id == 2
+    assert load_config("baseline/tiny", over + ["model.eos_id=5"], check_data=False)  # no documents: not read
 
 
 def test_generation_past_max_seq_len_is_refused():

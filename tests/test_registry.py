@@ -12,6 +12,7 @@ other architecture's record; a new architecture records its own with
 `PRETRAIN_RECORD_GOLDEN=1 pytest tests/test_registry.py -k "golden and <arch>"` (and says why in its
 commit). Recording never overwrites: re-recording means deleting the file, deliberately.
 """
+import dataclasses
 import json
 import os
 import signal
@@ -116,6 +117,54 @@ def test_streaming_decode_equals_the_parallel_forward(arch):
     atol = 1e-10 if spec.decode.kind == "exact" else spec.decode.atol
     assert spec.decode.kind in ("exact", "tolerance") and (spec.decode.kind == "exact" or spec.decode.why)
     torch.testing.assert_close(streamed, full, rtol=0, atol=atol)
+
+
+def _document_masked(arch):
+    """(spec, model in float64) of an architecture's tiny config with model.document_mask=true, where its
+    config has that field and accepts it (the refusal's sentence otherwise, for the skip)."""
+    spec = get_arch(arch)
+    if "document_mask" not in {f.name for f in dataclasses.fields(spec.config_cls)}:
+        pytest.skip(f"{arch} has no model.document_mask (no attention across documents to mask)")
+    config, over = tiny_config(arch)
+    exact_under = [f"model.{k}={v}" for k, v in spec.decode.config.items()]
+    try:
+        cfg = load_config(config, over + exact_under + [f"model.vocab_size={VOCAB}", "model.document_mask=true"],
+                          check_data=False)
+    except ValueError as e:  # a ConfigError, or the model config's own validate()
+        pytest.skip(f"{arch} refuses model.document_mask=true: {e}")
+    torch.manual_seed(0)
+    return spec, cfg.model, spec.build(cfg.model).double().eval()
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_decode_across_documents_follows_the_training_mask(arch):
+    """With model.document_mask, a sequence holding EOS tokens: streaming decode equals `logits`, and both
+    equal the training forward on the batch the data path makes of it (documents split after each EOS,
+    positions restarting), position by position, through the loss at each position alone."""
+    from pretrain.data.batch import collate
+
+    spec, cfg, model = _document_masked(arch)
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(5, VOCAB, (2, 14), generator=g)
+    raw[0, [3, 4, 9]] = cfg.eos_id  # an empty document too
+    raw[1, 6] = cfg.eos_id
+    doc = (raw == cfg.eos_id).long().cumsum(1) - (raw == cfg.eos_id).long()
+    batch = collate((raw.numpy(), doc.numpy()), eod_id=cfg.eos_id)
+    tokens, T = batch.tokens, batch.tokens.shape[1]
+    with torch.no_grad():
+        full = spec.logits(model, tokens)
+        state = spec.new_state(model, 2)
+        pieces = [spec.step(model, tokens[:, :5], state)[0]]
+        pieces += [spec.step(model, tokens[:, t:t + 1], state)[0] for t in range(5, T)]
+    atol = 1e-10 if spec.decode.kind == "exact" else spec.decode.atol
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=0, atol=atol)
+    for t in range(T):  # the forward's loss at position t alone is the cross-entropy of logits[:, t]
+        only = torch.zeros_like(batch.loss_mask)
+        only[:, t] = True
+        with torch.no_grad():
+            loss, _ = model(dataclasses.replace(batch, loss_mask=only))
+        want = torch.nn.functional.cross_entropy(full[:, t], batch.labels[:, t])
+        torch.testing.assert_close(loss, want, rtol=0, atol=1e-10, msg=f"{arch}: position {t}")
 
 
 @pytest.mark.parametrize("arch", SHIPPED)

@@ -254,8 +254,9 @@ class CRT(Decoder):
     def logits(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         K = num_passes(self.cfg, EVAL, tokens.shape[1])
-        z = self.recurrence(tokens, positions) if self.exact_by_recurrence() else \
-            self.passes(tokens, positions, None, K)[0]
+        doc_ids = self.inference_doc_ids(tokens)
+        z = self.recurrence(tokens, positions) if self.exact_by_recurrence(doc_ids) else \
+            self.passes(tokens, positions, doc_ids, K)[0]
         return self.head.logits(self.norm(z))
 
     def exact_by_recurrence(self, doc_ids=None) -> bool:
@@ -302,17 +303,25 @@ class CRT(Decoder):
         """S tokens in parallel on top of exact caches, exactly (spec §2.2's chunked prefill). The
         first correction uses the cached z_prev, so c^(0) is exact at the chunk's first position and
         pass k makes outputs exact up to position k-1: S passes suffice (one for a single token)."""
-        S = tokens.shape[1]
-        positions = torch.arange(state.length, state.length + S, device=tokens.device).expand_as(tokens)
-        a = self.attend(positions, self.mask(), state)
+        S, L = tokens.shape[1], state.length
+        positions = torch.arange(L, L + S, device=tokens.device).expand_as(tokens)
+        doc_ids = state.documents(tokens, self.cfg.eos_id) if self.cfg.document_mask else None
+        a = self.attend(positions, self.mask(doc_ids), state)
+        # z_{-1} = 0 at each document's start (model.document_mask), as in training
+        starts = None if doc_ids is None else (doc_ids != F.pad(doc_ids, (1, -1), value=0))[:, L:, None]
         e = self.embed_tokens(tokens)
         z, x = e.new_zeros(e.shape), e.new_zeros(e.shape)  # pass 0's outputs: unknown, so zero
+
+        def previous(last: Tensor, now: Tensor) -> Tensor:  # each position's predecessor in the stream
+            prev = torch.cat((last, now[:, :-1]), dim=1)
+            return prev if starts is None else prev.masked_fill(starts, 0.0)
+
         for _ in range(S if self.correction is not None else 1):
             if self.correction is not None:
-                z_prev = torch.cat((state.z_prev, z[:, :-1]), dim=1)
+                z_prev = previous(state.z_prev, z)
                 x_prev = None  # only block_head reads the previous input
                 if self.correction.variant == "block_head":
-                    x_prev = torch.cat((state.x_prev, x[:, :-1]), dim=1)
+                    x_prev = previous(state.x_prev, x)
                 x = e + self.correction(z_prev, x_prev, e)
             else:
                 x = e

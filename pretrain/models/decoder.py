@@ -9,9 +9,11 @@ cache holds one slot per block application. A subclass knows its effective depth
 applications) before it builds its blocks, and passes it to their options (`cfg.block_options(depth)`).
 
 The attention mask is a value (kernels.attention.masks): `mask(doc_ids)` gives the causal decoder's
-(documents, sliding window); an architecture with a mask of its own overrides it. The KV cache, the
-differentiable GradCache and the dimensions tensor parallelism splits (`tp_dims`) live here; a
-registry entry that names no new_state/step/logits gets this skeleton's methods.
+(documents, sliding window); an architecture with a mask of its own overrides it. With
+`model.document_mask`, inference follows the training mask too: `logits` and the decode cache read the
+documents off the tokens (`doc_ids_of`: a new one after each model.eos_id), as the data path does.
+The KV cache, the differentiable GradCache and the dimensions tensor parallelism splits (`tp_dims`)
+live here; a registry entry that names no new_state/step/logits gets this skeleton's methods.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from parallel.stages import NotOnThisStage, mark_tied
 from pretrain.models.base import EVAL, ModelConfig
 from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
 
-__all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "rope_tables"]
+__all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "doc_ids_of", "rope_tables"]
 
 
 @dataclass
@@ -44,6 +46,7 @@ class DecoderConfig(ModelConfig):
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     document_mask: bool = False  # attend only within a document of the packed sample
+    eos_id: int = 2  # the tokenizer's end of a document: where inference starts a new one (model.document_mask)
     window: int = 0  # sliding attention window in keys, the query's own included (0 = unlimited)
     init_std: float = 0.02
     # > 0: the training loss this many positions at a time, its gradient computed in the forward
@@ -87,7 +90,40 @@ class DecoderConfig(ModelConfig):
             raise ValueError(f"model.window must be >= 0 (0 = unlimited attention), got {self.window}")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             raise ValueError("model.norm_eps, model.rope_theta and model.init_std must be positive")
+        if self.document_mask and not 0 <= self.eos_id < self.vocab_size:
+            raise ValueError(f"model.eos_id {self.eos_id} must be a token id below model.vocab_size {self.vocab_size} "
+                             "(model.document_mask starts a new document after it)")
         self.block_options(1).validate()
+
+    def validate_run(self, run) -> None:
+        """With document masks, model.eos_id is the tokenizer's end of a document (inference reads the
+        documents off the tokens where training reads them from the data)."""
+        super().validate_run(run)
+        ids = tokenizer_ids(run)
+        if self.document_mask and ids is not None and ids["eos"] != self.eos_id:
+            raise ValueError(f"model.eos_id {self.eos_id} is not data.tokenizer's end-of-document id {ids['eos']}; "
+                             f"set model.eos_id={ids['eos']}")
+
+
+def tokenizer_ids(run) -> dict[str, int | None] | None:
+    """The special ids of the run's tokenizer (data_tools.tokenizer's special_ids), None without one (a
+    synthetic task, or a missing file, which the data check reports)."""
+    import os
+
+    path = run.data.tokenizer
+    if run.data.task or not path or not os.path.isfile(path):
+        return None
+    from data_tools.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).special_ids()
+
+
+def doc_ids_of(tokens: Tensor, eos_id: int, first: Tensor | None = None) -> Tensor:
+    """Document index of each position of tokens [B, n], an EOS belonging to the document it ends (the data
+    path's convention), counting from `first` [B] (the document the first token continues; 0 if None)."""
+    eos = (tokens == eos_id).long()
+    doc = eos.cumsum(1) - eos
+    return doc if first is None else doc + first[:, None]
 
 
 class KVCache:
@@ -101,6 +137,19 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(slots)]
         self.length = 0
         self.max_len = max_len
+        self.doc: Tensor | None = None  # [B, max_len] document ids, under document masks (documents())
+
+    def documents(self, tokens: Tensor, eos_id: int) -> Tensor:
+        """Document ids [B, length + n] of every cached position and of the new tokens [B, n], which are
+        recorded (a new document after each eos_id, as in the data)."""
+        B, n = tokens.shape
+        if self.doc is None:
+            self.doc = torch.zeros(B, self.max_len, dtype=torch.long, device=tokens.device)
+            self.next_doc = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        new = doc_ids_of(tokens, eos_id, self.next_doc)
+        self.doc[:, self.length:self.length + n] = new
+        self.next_doc = new[:, -1] + (tokens[:, -1] == eos_id).long()
+        return self.doc[:, :self.length + n]
 
     def extend(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
         """Write new keys/values [B, H, n, Dh] after the `length` cached ones (in place: writing the
@@ -233,10 +282,15 @@ class Decoder(nn.Module):
         if not last:
             self.norm = self.head = None
 
+    def inference_doc_ids(self, tokens: Tensor) -> Tensor | None:
+        """The document ids training would mask tokens [B, T] by (None without model.document_mask)."""
+        return doc_ids_of(tokens, self.cfg.eos_id) if self.cfg.document_mask else None
+
     def logits(self, tokens: Tensor) -> Tensor:
-        """Full-sequence logits [B, T, V] (float32) of tokens [B, T], each row one document from position 0."""
+        """Full-sequence logits [B, T, V] (float32) of tokens [B, T], each row from position 0 (under
+        model.document_mask, a new document after each EOS)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return self.head.logits(self.hidden(tokens, positions))
+        return self.head.logits(self.hidden(tokens, positions, self.inference_doc_ids(tokens)))
 
     def new_state(self, batch_size: int) -> KVCache:
         p, o = self.embed.weight, self.cfg.block_options(1)
@@ -249,7 +303,8 @@ class Decoder(nn.Module):
         if state.length + n > state.max_len:
             raise ValueError(f"generation would exceed model.max_seq_len {state.max_len}")
         positions = torch.arange(state.length, state.length + n, device=tokens.device).expand(tokens.shape[0], n)
-        return self.head.logits(self.hidden(tokens, positions, None, state)), state
+        doc_ids = state.documents(tokens, self.cfg.eos_id) if self.cfg.document_mask else None
+        return self.head.logits(self.hidden(tokens, positions, doc_ids, state)), state
 
 
 def drop_outside(blocks: nn.ModuleList, units, offset: int = 0) -> None:

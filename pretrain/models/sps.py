@@ -40,7 +40,7 @@ from kernels.attention.masks import document_bounds
 from parallel.layers import gather_sequence, local_sequence
 from pretrain.models import decoder
 from pretrain.models.blocks import Block
-from pretrain.models.decoder import Decoder, DecoderConfig
+from pretrain.models.decoder import Decoder, DecoderConfig, doc_ids_of
 from pretrain.models.registry import ArchSpec, Support, register
 
 X, RHO = 0, 1  # slot kinds: the input token, its <predict> slot
@@ -55,8 +55,7 @@ class SPSConfig(DecoderConfig):
     variant: str = "sps"  # sps | delayed_state | reverse_sps | 2x_memory (see the module docstring)
     sps_window: int = 64  # w: windowed keys are visible to queries at most w tokens later (ignored by 2x_memory)
     predict_id: int = 4  # the tokenizer's reserved <predict> id (data_tools.tokenizer.PREDICT_ID)
-    eos_id: int = 2  # the end of a document: decode masks earlier documents after it (model.document_mask)
-    document_mask: bool = True
+    document_mask: bool = True  # (model.eos_id, the decoder's, starts a new document at inference)
 
     @property
     def persistent(self) -> int | None:
@@ -90,16 +89,17 @@ class SPSConfig(DecoderConfig):
 
     def validate_run(self, run) -> None:
         """The tokenizer reserves <predict> at model.predict_id (a data check of the trainer, through the
-        registry's internal_tokens, refuses datasets that hold it)."""
-        path = run.data.tokenizer
+        registry's internal_tokens, refuses datasets that hold it); model.eos_id is its EOS (the decoder's check)."""
         if run.data.task:
             raise ValueError(f"model.arch=sps reads the <predict> id from a tokenizer; data.task={run.data.task} "
                              "has none (train on tokenized files)")
-        if not path or not __import__("os").path.isfile(path):  # a missing file is the data check's to report
+        super().validate_run(run)
+        ids = decoder.tokenizer_ids(run)
+        if ids is None:  # a missing file is the data check's to report
             return
-        from data_tools.tokenizer import PREDICT_PIECE, load_tokenizer
+        from data_tools.tokenizer import PREDICT_PIECE
 
-        ids = load_tokenizer(path).special_ids()
+        path = run.data.tokenizer
         if ids["predict"] is None:
             raise ValueError(f"data.tokenizer {path} has no {PREDICT_PIECE} token, which model.arch=sps needs; train "
                              "the tokenizer with `pretrain-data train-tokenizer` (it reserves one) or add it")
@@ -110,9 +110,6 @@ class SPSConfig(DecoderConfig):
         if clash:
             raise ValueError(f"data.tokenizer {path} gives {PREDICT_PIECE} the id of its {clash[0]} token "
                              f"({self.predict_id}); <predict> must be a token of its own")
-        if self.document_mask and ids["eos"] is not None and ids["eos"] != self.eos_id:
-            raise ValueError(f"model.eos_id {self.eos_id} is not data.tokenizer's end-of-document id {ids['eos']}; "
-                             f"set model.eos_id={ids['eos']}")
         if run.parallel.sp and run.data.seq_len % max(run.parallel.tp, 1):
             raise ValueError(f"parallel.sp splits each half of the slots: parallel.tp={run.parallel.tp} must divide "
                              f"data.seq_len={run.data.seq_len}")
@@ -181,12 +178,6 @@ def slot_tables(T: int, device, interleaved: bool = False) -> tuple[Tensor, Tens
     return (s // 2, s % 2) if interleaved else (s % T, s // T)
 
 
-def doc_ids_of(tokens: Tensor, eos_id: int) -> Tensor:
-    """Document index of each position, an EOS belonging to the document it ends."""
-    eos = (tokens == eos_id).long()
-    return eos.cumsum(1) - eos
-
-
 class SPSState:
     """The decode cache: per layer one key/value buffer [B, H_kv, R + P, Dh] holding a ring of the last
     R = w + 1 windowed keys (a windowed key's entry is its token index mod R, written before attending,
@@ -225,10 +216,9 @@ class SPSState:
         q_tok, q_kind = pos.repeat(2), torch.arange(2, device=dev).repeat_interleave(n)
         q_doc = None
         if self.doc is not None:
-            eos = (tokens == eos_id).long()
-            doc = self.cur_doc[:, None] + eos.cumsum(1) - eos
+            doc = doc_ids_of(tokens, eos_id, self.cur_doc)
             q_doc = doc.repeat(1, 2)
-            self.cur_doc = self.cur_doc + eos.sum(1)
+            self.cur_doc = doc[:, -1] + (tokens[:, -1] == eos_id).long()
         # where each new slot goes (plain Python: no device sync): persistent slots appended, the last R
         # windowed ones into the ring at their token index mod R
         kinds = [X] * n + [RHO] * n
@@ -322,8 +312,7 @@ class SPS(Decoder):
 
     def logits(self, tokens: Tensor) -> Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        doc_ids = doc_ids_of(tokens, self.cfg.eos_id) if self.cfg.document_mask else None
-        return self.head.logits(self._hidden(tokens, positions, doc_ids))
+        return self.head.logits(self._hidden(tokens, positions, self.inference_doc_ids(tokens)))
 
     def new_state(self, batch_size: int) -> SPSState:
         return SPSState(self, batch_size)
