@@ -75,6 +75,21 @@ def test_keys_moved_counts():
     assert schedule.keys_moved(512, 16) < schedule.keys_moved(512) + 512 * 15
 
 
+@pytest.mark.parametrize("H", [6, 16, 22, 32])
+def test_alibi_slopes_are_exact_in_float64_and_unchanged_in_float32(H):
+    """Spec §2.3's 2^(-8h/H) in the model's dtype: a float64 model's slopes are computed in float64, not
+    float32 values cast up (H not a power of two: every paper row); float32 keeps its values."""
+    want = torch.tensor([2.0 ** (-8.0 * h / H) for h in range(1, H + 1)], dtype=torch.float64)
+    exact = dict(rtol=1e-15, atol=0)  # float64 rounding (float32 cast up is off by up to 3e-8)
+    model = model_of(d_model=2 * H, n_heads=H)
+    for view in (model.blocks[0].attn.alibi.slopes, layer_of(model, 3).slopes):
+        assert view.dtype == torch.float64
+        torch.testing.assert_close(view, want, **exact)
+    back = model.float()
+    assert torch.equal(back.blocks[1].attn.alibi.slopes, want.float())
+    torch.testing.assert_close(back.double().blocks[1].attn.alibi.slopes, want, **exact)  # float32 and back
+
+
 # -- values and gradients -----------------------------------------------------------------------------
 SETTINGS = list(itertools.product([1, 3], [1, 4], ["alibi", "rope"], ["rms", "layer"]))  # B, H, positions, norm
 # spec §6.1's lengths: every setting at the short ones, the long ones (the naive loop is slow) at two settings each

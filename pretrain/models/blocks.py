@@ -11,7 +11,7 @@ architecture picks its options once, as a `BlockOptions` value its config builds
     Attention      self-attention, or cross-attention to given keys and values (`kv=`)
     SwiGLU, GeluMLP, mlp(options, ...), make_norm(kind, dim, eps)
     Block          h += drop(Attn(norm(h))); h += drop(MLP(norm(h)))
-    Rope           the RoPE tables (float64 in a float64 model), rope_tables, apply_rope, alibi_slopes
+    Rope, Alibi    the RoPE tables and ALiBi slopes (float64 in a float64 model), rope_tables, apply_rope, alibi_slopes
 
 Parameter names are those the baseline and CRT always had (attn.q, attn.kv, attn.proj, ffn.gate/up/
 down or ffn.fc1/fc2, attn_norm, ffn_norm), and layers are created in the same order, so a model
@@ -169,6 +169,27 @@ def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> Tensor:
     return 2.0 ** (-max_bias * torch.arange(1, n_heads + 1, dtype=torch.float64) / n_heads)
 
 
+class Alibi(nn.Module):
+    """This rank's ALiBi slopes as a (non-persistent) buffer `slopes`, computed again from float64 when
+    the model moves to another dtype, as Rope's tables are: a float64 model gets the exact 2^(-8h/H)
+    (float32 values cast up are off by up to 3e-8 where H is not a power of two), a float32 model the
+    same slopes as always."""
+
+    def __init__(self, n_heads: int, max_bias: float):
+        super().__init__()
+        self.n_heads, self.max_bias, self.heads = n_heads, max_bias, local_heads(n_heads)
+        self.register_buffer("slopes", self._values(torch.float32, None), persistent=False)
+
+    def _values(self, dtype, device) -> Tensor:
+        return alibi_slopes(self.n_heads, self.max_bias)[self.heads].to(device=device, dtype=dtype)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.slopes.dtype.is_floating_point:
+            self.slopes = self._values(self.slopes.dtype, self.slopes.device)
+        return self
+
+
 # -- attention and MLPs -------------------------------------------------------------------------------
 class Attention(nn.Module):
     """Multi-head attention through kernels.attention: q, then k | v (fewer heads under GQA), an output
@@ -198,7 +219,7 @@ class Attention(nn.Module):
             q_dim, k_dim = (Dh, Dh) if o.qk_norm == "head" else (H * Dh, H_kv * Dh)
             self.q_norm, self.k_norm = make_norm(o.norm, q_dim, o.norm_eps), make_norm(o.norm, k_dim, o.norm_eps)
         if o.positions == "alibi":
-            self.register_buffer("alibi", alibi_slopes(H, o.alibi_max)[local_heads(H)].float(), persistent=False)
+            self.alibi = Alibi(H, o.alibi_max)
 
     def _heads(self, x: Tensor, norm: nn.Module | None) -> Tensor:
         """[B, T, n * Dh] -> [B, n, T, Dh], QK-normed when `norm` is given."""
@@ -232,7 +253,7 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, a: Attend, offset: int = 0) -> Tensor:
         """The attention of q over k, v under a.mask, through the output projection: [B, Tq, d]."""
         y = attention(q, k, v, a.mask, offset, dropout_p=self.dropout if self.training else 0.0,
-                      alibi_slopes=self.alibi if self.positions == "alibi" else None)
+                      alibi_slopes=self.alibi.slopes if self.positions == "alibi" else None)
         return self.proj(y.transpose(1, 2).flatten(2))
 
     def forward(self, x: Tensor, a: Attend, kv: tuple[Tensor, Tensor] | None = None) -> Tensor:

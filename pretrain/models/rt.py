@@ -102,7 +102,7 @@ class LayerView:
         self.block, self.rope, self.base = block, rope, base
         attn = block.attn
         self.scale = 1.0 / math.sqrt(attn.head_dim)
-        self.slopes = attn.alibi if attn.positions == "alibi" else None
+        self.slopes = attn.alibi.slopes if attn.positions == "alibi" else None
 
     def _tables(self, offset: int, n: int):
         if self.rope is None:
