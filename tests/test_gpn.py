@@ -52,8 +52,9 @@ def l2n(x):
     return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
 
 
-def naive_logits(m: GPN, x: torch.Tensor) -> torch.Tensor:
-    """The code's window (§2.2): logits[t] = Decode(s^p_t) predicts x[t] from x[:t], t = 0 from zeros."""
+def naive_logits(m: GPN, x: torch.Tensor, tbptt: int = 0) -> torch.Tensor:
+    """The code's window (§2.2): logits[t] = Decode(s^p_t) predicts x[t] from x[:t], t = 0 from zeros.
+    `tbptt` K: spec A10, the carried state (s^g, s^g_prev, M) detached at the step boundaries t = K, 2K, ..."""
     c = m.cfg
     B, T = x.shape
     H, dk, dv = c.mem_heads, c.d_key, c.d_value
@@ -63,6 +64,8 @@ def naive_logits(m: GPN, x: torch.Tensor) -> torch.Tensor:
     out = []
     emb = m.embed.weight
     for t in range(T):
+        if tbptt and t and t % tbptt == 0:
+            sg, sgp, M = sg.detach(), sgp.detach(), M.detach()
         if H:
             w = m.write
             u, um = rms(sg, w.norm.weight), rms(sgp, w.norm.weight)
@@ -227,7 +230,7 @@ def test_init_invariants():
 
 
 @pytest.mark.parametrize("kw,total,loop,state", [
-    ({}, 129_151_902, 100_738_782, 495_936),
+    ({}, 129_151_902, 100_738_782, 496_512),  # spec §2.12: s^g_t and s^g_(t-1) (2 d) and M
     ({"n_layers": 2, "d_state": 1920, "d_ffn": 4864, "mem_heads": 11}, 129_837_206, None, None),
     ({"mem_heads": 0, "d_state": 3184, "d_ffn": 8400}, 129_999_008, None, 3184)])
 def test_parameter_counts_of_the_papers_configs(kw, total, loop, state):
@@ -240,7 +243,7 @@ def test_parameter_counts_of_the_papers_configs(kw, total, loop, state):
         assert n["loop"] == loop  # spec §2.9, as corrected on review
         assert n["memory_cells"] == 491_520
     if state is not None:
-        assert n["state_numbers"] == state
+        assert n["state_numbers"] == state == sum(t[0].numel() for t in m.new_state(1))
 
 
 # -- T6: the memory rule ---------------------------------------------------------------------------------
@@ -308,9 +311,45 @@ def test_truncated_bptt_semantics():
     trunc.fuse = _Given(G, trunc.fuse.weight)
     sp, _ = trunc.states(batch.tokens)
     late = F.cross_entropy(trunc.head.logits(trunc.decode(sp[:, 3 * K:])).flatten(0, 1), batch.labels[:, 3 * K:].flatten())
-    (grad,) = torch.autograd.grad(late, G)
+    (grad,) = torch.autograd.grad(late, G, retain_graph=True)
     assert grad[:, :3 * K].abs().max().item() == 0.0
     assert grad[:, 3 * K:].abs().max().item() > 0.0
+    # the token grounded at each cut (the (mK)-th) reaches the loss only after the cut: no gradient at all
+    whole = F.cross_entropy(trunc.head.logits(trunc.decode(sp)).flatten(0, 1), batch.labels.flatten())
+    (grad,) = torch.autograd.grad(whole, G)
+    at_cut = grad.abs().amax((0, 2))
+    assert at_cut[K - 1::K].max().item() == 0.0 and at_cut[K - 1::K].numel() == T // K
+    assert at_cut[[t for t in range(T) if (t + 1) % K]].min().item() > 0.0
+
+
+@pytest.mark.parametrize("kw", [{}, {"n_layers": 2}, {"mem_heads": 0, "d_key": 8}])
+@pytest.mark.parametrize("segment,recompute", [(4, False), (5, True), (0, True)])
+def test_truncated_bptt_gradients_equal_spec_a10(kw, segment, recompute):
+    """Spec A10 and §8.2, from §2.10's loop: the carried state (s^g, s^g_prev, M) detached at the step
+    boundaries K, 2K, ... of the code's window (between Ground and Write). position0=uniform is that window;
+    position0=context is the window of T + 1 tokens without its first (uniform) prediction. Every gradient
+    equal in float64, with and without segment recomputation, at segments that do not align with K."""
+    K, batch = 6, batch_of(T=21)
+    window = torch.cat([batch.tokens, batch.labels[:, -1:]], 1)
+    for position0 in ("uniform", "context"):
+        m = model_of(tbptt=K, segment=segment, position0=position0, **kw)
+        m.segment_recompute = recompute
+        grads = []
+        for run in ("model", "spec", "full BPTT"):
+            m.zero_grad()
+            if run == "model":
+                loss, _ = m(batch)
+            elif position0 == "uniform":
+                loss = F.cross_entropy(naive_logits(m, batch.tokens, K if run == "spec" else 0).flatten(0, 1),
+                                       batch.tokens.flatten())
+            else:
+                logits = naive_logits(m, window, K if run == "spec" else 0)[:, 1:]
+                loss = F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+            loss.backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        for (name, _), got, want in zip(m.named_parameters(), grads[0], grads[1]):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{position0}: {name}")
+        assert max((a - b).abs().max().item() for a, b in zip(grads[1], grads[2])) > 1e-4  # truncation matters
 
 
 class _Given(torch.nn.Module):
@@ -329,10 +368,10 @@ def test_gradcheck_of_the_step_and_the_memory_ops():
     m = model_of(d_state=8, d_emb=4, d_ffn=6, mem_heads=2, d_key=3, d_value=2)
     W = m.folded()
     g = torch.Generator().manual_seed(5)
-    kw, M, sp = (torch.randn(2, 6, dtype=torch.float64, generator=g), torch.randn(2, 2, 3, 2, dtype=torch.float64,
-                 generator=g), torch.randn(2, 8, dtype=torch.float64, generator=g))
+    sg_prev, M, sp = (torch.randn(2, 8, dtype=torch.float64, generator=g), torch.randn(2, 2, 3, 2, dtype=torch.float64,
+                      generator=g), torch.randn(2, 8, dtype=torch.float64, generator=g))
     x = torch.randn(2, 8, dtype=torch.float64, generator=g)
-    inputs = [t.requires_grad_() for t in (kw, M, sp, x)]
+    inputs = [t.requires_grad_() for t in (sg_prev, M, sp, x)]
     assert torch.autograd.gradcheck(lambda a, b, c, d: tuple(m.iterate([a, b, c], d, W)), inputs)
     q, k, v, beta, alpha = (t[:1, :1].clone().requires_grad_() for t in _memory_inputs(B=1, T=1, H=2, dk=3, dv=2))
     M0 = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True)

@@ -5,6 +5,7 @@ runs one step, in the released code's order (spec §2.2), here with the step's f
 the top of the loop (iteration t grounds token t, then predicts):
 
     s^g   = Gate_f(s^p) * s^p + G_t                  ground: G_t = rms(emb(x_t)) W_fuse, hoisted
+          (a step boundary of spec §2.2 falls here: the state is (s^g, the previous s^g, M))
     M     = alpha M + beta k (v - M^T k)^T           write (GPN+M): k from the previous s^g, v from s^g
     s     = s^g; per sub-layer: s = Gate_p(s) * s + FFN(s) + Read(M, s)      predict
     s^p   = s                                        decoded after the loop: (rms(s^p) W_dproj) Emb^T
@@ -17,15 +18,19 @@ labels after each token (every target has context, as the other architectures he
 Training form (spec §5.2): embeddings, the fuse projection, the decode and the loss run outside the
 time loop over all positions at once; inside it, every projection of a state shares that state's
 RMS factor, so the norm weights are folded into the matrices once per forward and each state takes
-ONE matrix product (layer 0 and the memory write: W_1 | W_pg | W_q | W_rg | W_v | W_beta | W_a |
-W_k, the key kept for the next step). BPTT runs over the whole window by segments of `segment` steps
+one matrix product (layer 0 and the memory write: W_1 | W_pg | W_q | W_rg | W_v | W_beta | W_a;
+the key W_k reads the previous s^g). BPTT runs over the whole window by segments of `segment` steps
 (default ceil(sqrt(T))): under parallel.recompute=full (the configs' default) each segment is one
 autograd node that runs again in the backward (_Segment), so a step keeps its segment-start states and
-one live segment (O(T/S + S) memories instead of T); `tbptt` detaches the carried state every tbptt steps (spec A10, §8.2: the state
-crossing a boundary already holds the previous step's token, and it takes no gradient either).
+one live segment (O(T/S + S) memories instead of T).
 
-The state (the last s^g's key projection, M, s^p) is the whole decode cache: streaming runs the
-same iteration, so decode equals the training forward exactly.
+Truncated BPTT (`tbptt` K, spec A10 and §8.2) detaches the carried state (s^g, the previous s^g, M)
+at the §2.2 step boundaries t = K, 2K, ..., between Ground and Write: in this loop, inside the
+iteration that grounds the (mK)-th token of the code's window (the cut's own token then gets no
+gradient through the fuse path, and W_k still gets one from the key of the detached previous s^g).
+
+The state (the last s^g, M, s^p) is the whole decode cache: streaming runs the same iteration, so
+decode equals the training forward exactly.
 """
 from __future__ import annotations
 
@@ -62,7 +67,7 @@ class GPNConfig(ModelConfig):
     position0: str = "context"  # context | uniform (the paper's code: position 0 a target, predicted from zeros)
     reset_at_documents: bool = False  # zero the state where a document starts (the paper does not, A9)
     segment: int = 0  # S, steps per BPTT segment (recomputed under parallel.recompute=full); 0: ceil(sqrt(T))
-    tbptt: int = 0  # detach the carried state every tbptt steps (0: full BPTT over the window)
+    tbptt: int = 0  # K: detach the carried state at the step boundaries K, 2K, ... (spec A10; 0: full BPTT)
     norm_eps: float = 1e-6
     init_std: float = 0.02  # the embedding's and W_o's
     loss_chunk: int = 0  # > 0: the loss that many positions at a time (kernels/lm_loss "chunked")
@@ -174,20 +179,20 @@ class Folded:
     """The loop's matrices for one forward: norm weights folded in, projections of one state stacked."""
 
     fuse_gate: tuple[Tensor, Tensor]  # (W, b) on s^p
-    first: tuple[Tensor, Tensor]  # (W, b) on s^g: layer 0's W_1 | W_pg | W_q | W_rg, the write's W_v | W_beta | W_a | W_k
+    first: tuple[Tensor, Tensor]  # (W, b) on s^g: layer 0's W_1 | W_pg | W_q | W_rg, the write's W_v | W_beta | W_a
     later: list[tuple[Tensor, Tensor]]  # layers 1..: W_1 | W_pg | W_q | W_rg on the previous sub-layer's output
     sizes_first: list[int]
     sizes_later: list[int]
     outs: list[Tensor]  # per layer: W_o diag(w_onorm) (the read-out norm's weight folded in)
     downs: list[Tensor]  # per layer: the FFN's W_2
     neg_A: Tensor | None  # -exp(A_log): the decay's per-head rate
-    k_bias: Tensor | None  # the key's bias (added where the key is used)
+    key: tuple[Tensor, Tensor] | None  # (W_k, b_k) on the previous s^g
 
     # Every parameter the loop uses comes through these tensors (never a module's own), so that a
     # segment's backward can return their gradients as its inputs' (_Segment).
     def tensors(self) -> list[Tensor]:
         flat = [*self.fuse_gate, *self.first, *(t for pair in self.later for t in pair), *self.outs, *self.downs]
-        return flat + [t for t in (self.neg_A, self.k_bias) if t is not None]
+        return flat + ([self.neg_A, *self.key] if self.key is not None else [])
 
     def with_tensors(self, flat: list[Tensor]) -> "Folded":
         it = iter(flat)
@@ -195,9 +200,8 @@ class Folded:
         fuse_gate, first = tuple(take(2)), tuple(take(2))
         later = [tuple(take(2)) for _ in self.later]
         outs, downs = take(len(self.outs)), take(len(self.downs))
-        neg_A = next(it) if self.neg_A is not None else None
-        k_bias = next(it) if self.k_bias is not None else None
-        return Folded(fuse_gate, first, later, self.sizes_first, self.sizes_later, outs, downs, neg_A, k_bias)
+        neg_A, key = (next(it), tuple(take(2))) if self.key is not None else (None, None)
+        return Folded(fuse_gate, first, later, self.sizes_first, self.sizes_later, outs, downs, neg_A, key)
 
 
 class _Segment(torch.autograd.Function):
@@ -208,25 +212,25 @@ class _Segment(torch.autograd.Function):
     per saved tensor of every step, O(T) however small, measured at about 50 KB per token)."""
 
     @staticmethod
-    def forward(ctx, model, W: Folded, n_state: int, keep, *inputs):
+    def forward(ctx, model, W: Folded, n_state: int, keep, cut: bool, *inputs):
         state, G, flat = list(inputs[:n_state]), inputs[n_state], inputs[n_state + 1:]
         with torch.no_grad():
-            sp, state = model._run(state, G, W.with_tensors(list(flat)), keep)
-        ctx.model, ctx.W, ctx.n_state, ctx.keep = model, W, n_state, keep
+            sp, state = model._run(state, G, W.with_tensors(list(flat)), keep, cut)
+        ctx.model, ctx.W, ctx.n_state, ctx.keep, ctx.cut = model, W, n_state, keep, cut
         ctx.save_for_backward(*inputs)
         return sp, *state
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[4:])]
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
         n = ctx.n_state
         with torch.enable_grad():
-            sp, state = ctx.model._run(inputs[:n], inputs[n], ctx.W.with_tensors(inputs[n + 1:]), ctx.keep)
+            sp, state = ctx.model._run(inputs[:n], inputs[n], ctx.W.with_tensors(inputs[n + 1:]), ctx.keep, ctx.cut)
         pairs = [(o, g) for o, g in zip([sp, *state], grads) if g is not None and o.requires_grad]
         wanted = [t for t in inputs if t.requires_grad]
         got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                    if pairs and wanted else [None] * len(wanted))
-        return (None, None, None, None, *[next(got) if t.requires_grad else None for t in inputs])
+        return (None, None, None, None, None, *[next(got) if t.requires_grad else None for t in inputs])
 
 
 class GPN(nn.Module):
@@ -271,10 +275,10 @@ class GPN(nn.Module):
 
         g = self.fuse_gate
         first = self._layer_parts(self.layers[0])
-        if self.write is not None:
-            w, n = self.write, self.write.norm.weight
-            # the key's bias is added where the key is used (the carried projection starts at zero)
-            first += [(w.v.weight, None, n), (w.beta.weight, None, n), (w.a.weight, w.dt_bias, n), (w.k.weight, None, n)]
+        w = self.write
+        if w is not None:
+            first += [(w.v.weight, None, w.norm.weight), (w.beta.weight, None, w.norm.weight),
+                      (w.a.weight, w.dt_bias, w.norm.weight)]
         W0, b0, sizes_first = stack(first)
         later, sizes_later = [], []
         for layer in self.layers[1:]:
@@ -284,7 +288,7 @@ class GPN(nn.Module):
         outs = [layer.o.weight * layer.out_norm.weight for layer in self.layers] if mem else []
         downs = [layer.w2.weight for layer in self.layers]
         return Folded((g.proj.weight * g.norm.weight, g.proj.bias), (W0, b0), later, sizes_first, sizes_later, outs,
-                      downs, -torch.exp(self.write.A_log) if mem else None, self.write.k.bias if mem else None)
+                      downs, -torch.exp(w.A_log) if mem else None, (w.k.weight * w.norm.weight, w.k.bias) if mem else None)
 
     def _folded_for(self, grad: bool) -> Folded:
         """The folded matrices; without autograd, kept between calls while no parameter changed (decode
@@ -304,13 +308,13 @@ class GPN(nn.Module):
 
     # -- one step ----------------------------------------------------------------------------------
     def new_state(self, batch_size: int) -> list[Tensor]:
-        """[the last s^g's key projection, M, s^p], zeros: the window start, and the whole decode cache (the
-        next step needs nothing else of the last s^g than the key it gives)."""
+        """[the last s^g, M, s^p], zeros: the window start, and the whole decode cache (bare GPN, which writes
+        no memory, keeps no s^g: an empty one)."""
         cfg, p = self.cfg, self.fuse.weight
         B, d, H = batch_size, cfg.d_state, cfg.mem_heads
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32  # the state stays fp32 under bf16
         z = lambda *shape: torch.zeros(*shape, device=p.device, dtype=dtype)  # noqa: E731
-        return [z(B, H * cfg.d_key), z(B, H, cfg.d_key, cfg.d_value), z(B, d)]
+        return [z(B, d if H else 0), z(B, H, cfg.d_key, cfg.d_value), z(B, d)]
 
     def _predict(self, i: int, s: Tensor, z: list[Tensor], M: Tensor | None, W: Folded, probe: dict | None) -> Tensor:
         """Predict sub-layer i from its projections z = [a | b, gate, (q, rg)] of s."""
@@ -332,17 +336,21 @@ class GPN(nn.Module):
             probe["predict_gate"].append(torch.sigmoid(pg).mean())
         return out
 
-    def iterate(self, state: list[Tensor], g: Tensor, W: Folded, probe: dict | None = None) -> list[Tensor]:
-        """One token: ground g (its hoisted fuse projection) into the state, write, predict."""
+    def iterate(self, state: list[Tensor], g: Tensor, W: Folded, probe: dict | None = None,
+                cut: bool = False) -> list[Tensor]:
+        """One token: ground g (its hoisted fuse projection) into the state, write, predict. `cut`: a truncated
+        BPTT boundary (spec A10) after the ground, where the carried state (s^g, s^g_prev, M) is detached."""
         cfg, eps = self.cfg, self.cfg.norm_eps
-        kw, M, sp = state
+        sg_prev, M, sp = state
         fg = torch.sigmoid(F.linear(_hat(sp, eps), *W.fuse_gate))
         sg = torch.addcmul(g, fg, sp)  # ground: Gate_f(s^p) * s^p + G_t
+        if cut:
+            sg, sg_prev, M = sg.detach(), sg_prev.detach(), M.detach()
         z = F.linear(_hat(sg, eps), *W.first).split(W.sizes_first, -1)
         if self.write is not None:
             H, dk = cfg.mem_heads, cfg.d_key
-            v, beta, a, kw_next = z[4], z[5], z[6], z[7]  # a: W_a u + dt_bias (folded)
-            k = _unit(F.relu(kw + W.k_bias).unflatten(-1, (H, dk)))
+            v, beta, a = z[4], z[5], z[6]  # a: W_a u + dt_bias (folded)
+            k = _unit(F.relu(F.linear(_hat(sg_prev, eps), *W.key)).unflatten(-1, (H, dk)))
             with _state_precision(M):  # the memory in the state's precision (fp32) under bf16 autocast
                 alpha = torch.exp(W.neg_A * F.softplus(a.to(M.dtype)))
                 M = memory.write(M, k.to(M.dtype), v.unflatten(-1, (H, cfg.d_value)).to(M.dtype),
@@ -350,26 +358,27 @@ class GPN(nn.Module):
             if probe is not None:
                 probe["alpha"].append(alpha.mean())
                 probe["mem_norm"].append(M.flatten(1).norm(dim=-1).mean())
-        else:
-            kw_next, M = kw, M
+            sg_prev = sg  # the next write's key source
         s = self._predict(0, sg, list(z[:4]), M if self.write is not None else None, W, probe)
         for i, Wl in enumerate(W.later, 1):
             zl = F.linear(_hat(s, eps), *Wl).split(W.sizes_later, -1)
             s = self._predict(i, s, list(zl), M, W, probe)
         if probe is not None:
             probe["fuse_gate"].append(fg.mean())
-        return [kw_next, M, s.to(sp.dtype)]
+        return [sg_prev, M, s.to(sp.dtype)]
 
     # -- the window ----------------------------------------------------------------------------------
-    def _run(self, state: list[Tensor], G: Tensor, W: Folded, keep: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+    def _run(self, state: list[Tensor], G: Tensor, W: Folded, keep: Tensor | None,
+             cut: bool = False) -> tuple[Tensor, list[Tensor]]:
         """Steps over G [B, n, d] from `state`: every s^p [B, n, d] and the last state. keep [B, n]: 0 where
-        the state is zeroed before the step (a document start under model.reset_at_documents)."""
+        the state is zeroed before the step (a document start under model.reset_at_documents); `cut`: the
+        first step holds a truncated BPTT boundary."""
         out = []
         for t in range(G.shape[1]):
             if keep is not None:
                 k = keep[:, t, None]
                 state = [state[0] * k, state[1] * k[..., None, None], state[2] * k]
-            state = self.iterate(state, G[:, t], W)
+            state = self.iterate(state, G[:, t], W, cut=cut and t == 0)
             out.append(state[2])
         return torch.stack(out, 1), state
 
@@ -386,21 +395,21 @@ class GPN(nn.Module):
         if cfg.reset_at_documents and doc_ids is not None:
             keep = torch.ones(B, T, dtype=G.dtype, device=G.device)
             keep[:, 1:] = (doc_ids[:, 1:] == doc_ids[:, :-1]).to(G.dtype)
-        S = cfg.segment_for(T)
-        cuts = sorted(set(range(0, T, S)) | (set(range(0, T, cfg.tbptt)) if cfg.tbptt else set()))
+        S, K = cfg.segment_for(T), cfg.tbptt
+        # step boundary mK of the code's window falls in the step grounding its (mK)-th token: a segment starts there
+        cuts = set(range(K - 1, T, K)) if K else set()
+        starts = sorted(set(range(0, T, S)) | cuts)
         out = []
-        for i, s in enumerate(cuts):
-            e = cuts[i + 1] if i + 1 < len(cuts) else T
-            if cfg.tbptt and s and s % cfg.tbptt == 0:
-                state = [x.detach() for x in state]  # truncated BPTT: nothing earlier gets this gradient
+        for i, s in enumerate(starts):
+            e = starts[i + 1] if i + 1 < len(starts) else T
             seg_keep = keep[:, s:e] if keep is not None else None
             if probe is not None:  # the diagnostics: the segment's first step once more, without gradient
                 with torch.no_grad():  # the class's step: a compiled one (train.compile) keeps its one graph
                     GPN.iterate(self, state, G[:, s], W, probe)
             if self.segment_recompute and torch.is_grad_enabled():
-                sp, *state = _Segment.apply(self, W, len(state), seg_keep, *state, G[:, s:e], *W.tensors())
+                sp, *state = _Segment.apply(self, W, len(state), seg_keep, s in cuts, *state, G[:, s:e], *W.tensors())
             else:
-                sp, state = self._run(state, G[:, s:e], W, seg_keep)
+                sp, state = self._run(state, G[:, s:e], W, seg_keep, s in cuts)
             out.append(sp)
         return torch.cat(out, 1), state
 
@@ -453,7 +462,7 @@ def parameter_counts(cfg: GPNConfig) -> dict[str, int]:
     loop = gate + write + cfg.n_layers * layer
     outside = V * E + E + E * d + d + d * E + (E if cfg.decoder_bias else 0)
     return {"total": loop + outside, "loop": loop, "memory_cells": H * dk * dv,
-            "state_numbers": H * dk + d + H * dk * dv}
+            "state_numbers": (2 * d if H else d) + H * dk * dv}  # s^g and s^p (the previous s^g: the key's), M
 
 
 def bptt_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
