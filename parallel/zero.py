@@ -256,9 +256,30 @@ class DeepSpeedEngine(Engine):
                        else torch.empty(self._full_shape(p), dtype=torch.float32) for k in self._state_keys()}
                 for names in self.groups for name, p in names}
 
-    def set_state(self, model_sd: dict, optim_state: dict, groups: list | None) -> None:
+    def _set_full(self, p: nn.Parameter, value: torch.Tensor, key: str | None = None) -> None:
+        """Scatter a full fp32 tensor into this rank's partition of p's master (`key` None) or of that
+        optimizer state.
+
+        ZeRO-3 pads a parameter to partition size x ranks, but DeepSpeed's set_full_hp_param (0.19)
+        narrows the unpadded value at rank x partition size: past its end on a rank whose partition
+        is all or partly padding (CART's 3-element `hyper` over 2 ranks). So this rank's slice is cut
+        here, zero-padded as ZeRO pads, and handed to the per-partition setter. A DeepSpeed without
+        those internals gets the full-tensor call."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
+        z = getattr(p, "_z3_optimizer", None)
+        if (hasattr(p, "ds_id") and hasattr(p, "partition_numel") and hasattr(z, "set_local_hp_param")
+                and hasattr(z, "_get_param_partition_rank")):
+            n = p.partition_numel()
+            start = n * z._get_param_partition_rank(p)
+            mine = value.reshape(-1)[start:start + n]  # shorter (or empty) where the padding begins
+            z.set_local_hp_param(torch.cat([mine, mine.new_zeros(n - mine.numel())]), p, key)
+        elif key is None:
+            safe_set_full_fp32_param(p, value)
+        else:
+            safe_set_full_optimizer_state(p, value, key)
+
+    def set_state(self, model_sd: dict, optim_state: dict, groups: list | None) -> None:
         params = dict(self.model.named_parameters())
         for key, value in self.model.state_dict(keep_vars=True).items():
             if not isinstance(value, nn.Parameter):
@@ -266,7 +287,7 @@ class DeepSpeedEngine(Engine):
         for name, p in params.items():
             full = model_sd[name].to(torch.float32)
             if p.requires_grad:
-                safe_set_full_fp32_param(p, full)  # the fp32 master the optimizer steps
+                self._set_full(p, full)  # the fp32 master the optimizer steps
             with self._gathered(p, modify=True):  # and the module's copy the forward uses
                 p.data.copy_(full.reshape(p.shape).to(p.dtype))
         if groups is None:
@@ -293,7 +314,7 @@ class DeepSpeedEngine(Engine):
             for name, p in names:
                 for key, value in optim_state[name].items():
                     if value.dim():
-                        safe_set_full_optimizer_state(p, value.to(torch.float32), key)
+                        self._set_full(p, value.to(torch.float32), key)
 
     def _device_step(self) -> bool:
         """Fused or capturable AdamW keeps `step` on the parameters' device, the others on the CPU."""

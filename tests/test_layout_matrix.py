@@ -4,8 +4,6 @@ layout it does not support is refused by validate() with a sentence.
 Parametrized over the registry, so an architecture that registers later is covered at once. CI runs
 each architecture under TP2 and under ZeRO-3; the full matrix is marked slow (`-m slow`).
 """
-import importlib.util
-
 import numpy as np
 import pytest
 
@@ -14,8 +12,6 @@ from distributed import run_ranks
 from pretrain.config import ConfigError, load_config
 from pretrain.models import all_archs, get_arch
 from trainer_helpers import step_losses, tiny_overrides, train_run, write_markov_corpus
-
-pytest.importorskip("megatron.core", reason="tensor parallelism and megatron DDP need megatron-core")
 
 ARCHS = [s.name for s in all_archs() if not s.name.startswith("test_")]
 LAYOUTS = {  # name: (ranks, overrides)
@@ -43,6 +39,29 @@ BASE = ["train.compile=false"]
 LOSS_REL, PARAM_ATOL = 1e-5, 2e-5  # see test_parallel_layouts.py
 
 
+def parallel_config(layout):
+    """The ParallelConfig a layout's overrides set (what the registry's Support judges)."""
+    from pretrain.run_config import ParallelConfig
+
+    def value(text):
+        return text == "true" if text in ("true", "false") else int(text) if text.isdigit() else text
+
+    pairs = (over.split("=", 1) for over in LAYOUTS[layout][1])
+    return ParallelConfig(**{k.removeprefix("parallel."): value(v) for k, v in pairs if k.startswith("parallel.")})
+
+
+def needs(layout):
+    """Skip, naming the missing package, when the layout's engine is not installed."""
+    from parallel.mesh import uses_megatron
+
+    pc = parallel_config(layout)
+    if uses_megatron(pc):
+        pytest.importorskip("megatron.core", reason="tensor/pipeline parallelism and megatron DDP need megatron-core")
+    if pc.data_parallel == "deepspeed":
+        pytest.importorskip("deepspeed", reason="needs DeepSpeed (DS_BUILD_OPS=0 pip install --no-build-isolation "
+                                                "deepspeed)")
+
+
 def _config(arch):
     """Each architecture's shipped tiny config; the test architectures reuse the baseline's."""
     return "baseline/tiny" if arch.startswith("test_") else f"{arch}/tiny"
@@ -64,8 +83,7 @@ def _body(rank, world_size, tmp, corpus, arch, extra):
 
 def _check(arch, layout, tmp_path, corpus):
     ranks, extra = LAYOUTS[layout]
-    if layout.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("DeepSpeed is not installed (DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed)")
+    needs(layout)
     refused = _refusal(arch, extra, tmp_path)
     if refused:  # a refusal is an outcome to check, not a skip: it must quote the registry's reason
         reasons = get_arch(arch).supports.reasons

@@ -3,8 +3,9 @@ process on the same global batch, checkpoints identical in layout to a single pr
 checkpoints that move between ZeRO and the plain engine in both directions.
 
 One spawn of 2 ranks runs everything multi-rank (process start-up and the DeepSpeed import dominate):
-ZeRO-1/2/3 for 3 steps each, a single-process checkpoint resumed under ZeRO-2 and ZeRO-3, and an
-engine-level run of a model that applies one block three times under activation checkpointing. ZeRO-3
+ZeRO-1/2/3 for 3 steps each, a single-process checkpoint resumed under ZeRO-2 and ZeRO-3, an
+engine-level run of a model that applies one block three times under activation checkpointing, and
+the checkpoint view's round trip of parameters whose sizes 2 ranks do not split evenly. ZeRO-3
 runs with stage3_param_persistence_threshold=0: by default it would keep every parameter of these
 tiny models whole (under 1e5 elements), and parameter partitioning would go untested.
 
@@ -138,6 +139,41 @@ def run_looped(engine_cls, stage, rank, world, plan=(True, False, True), micro=2
     return before, _numpy(engine.get_state()), float(norm), masters_are_the_model(engine)
 
 
+class OddSizes(nn.Module):
+    """Parameters of sizes 2 ranks do not split evenly: ZeRO-3 pads their partitions (a 1-element
+    parameter leaves the second rank nothing but padding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vectors = nn.ParameterList(nn.Parameter(torch.zeros(n)) for n in (1, 3, 5, 7))  # no decay
+        self.matrix = nn.Parameter(torch.zeros(3, 5))  # the decay group
+
+    def forward(self, x):
+        return sum(v.sum() for v in self.vectors) + self.matrix.sum() * x
+
+
+def odd_sizes_round_trip(stage):
+    """The checkpoint view of a ZeRO engine over OddSizes: set_state with known full tensors (master
+    weights and Adam moments), then (what set_state was given, what get_state hands back)."""
+    from parallel.engine import EngineSettings
+    from parallel.mesh import setup_layout
+    from parallel.zero import DeepSpeedEngine
+    from pretrain.optim import OptimConfig, build_optimizer
+    from pretrain.run_config import ParallelConfig
+
+    model = OddSizes()
+    parallel = ParallelConfig(data_parallel="deepspeed", zero_stage=stage, timeout_s=60.0)
+    setup_layout(parallel)  # every rank data-parallel
+    settings = EngineSettings(parallel, grad_clip=1.0, micro_batch_seqs=2, global_batch_seqs=8)
+    engine = DeepSpeedEngine(model, build_optimizer(model, OptimConfig(lr=1e-2, min_lr=1e-3)), settings)
+    g = torch.Generator().manual_seed(stage)  # the same values on every rank
+    model_sd = {k: torch.randn(v.shape, generator=g) for k, v in engine.model_template().items()}
+    optim_state = {name: {k: torch.tensor(3.0) if k == "step" else torch.randn(v.shape, generator=g).abs()
+                          for k, v in entry.items()} for name, entry in engine.optim_template().items()}
+    engine.set_state(model_sd, optim_state, engine.get_state()[1]["param_groups"])
+    return _numpy((model_sd, optim_state)), _numpy(engine.get_state())
+
+
 def masters_are_the_model(engine) -> bool | None:
     """Whether the optimizer steps the model's own flat partitions (fp32 ZeRO-1/2), checked by address."""
     if getattr(engine, "stage", 0) not in (1, 2):
@@ -182,6 +218,7 @@ def _zero_body(rank, world_size, tmp, corpus):
                                             ZERO + [f"parallel.zero_stage={stage}"])[1]
     for stage in STAGES:
         out[f"looped{stage}"] = run_looped(DeepSpeedEngine, stage, rank, world_size)
+        out[f"odd{stage}"] = odd_sizes_round_trip(stage)
     return out
 
 
@@ -302,6 +339,21 @@ def test_looped_block_with_recompute_matches_plain_engine(runs, stage):
         for k in want:
             assert (got[k].shape, got[k].dtype) == (want[k].shape, want[k].dtype), f"{name}.{k}"
             assert_moments_close(got[k], want[k], f"{name}.{k}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameters_of_odd_sizes_round_trip(runs, stage):
+    """Full tensors of 1, 3, 5, 7 and 3 x 5 elements scattered into 2 ranks' (padded) partitions
+    and gathered back are unchanged on every rank, master weights and Adam moments alike."""
+    for rank, result in enumerate(runs.ranks):
+        (model_sd, optim_state), (got_model, got_optim) = result[f"odd{stage}"]
+        assert sorted(model_sd) == sorted(got_model) == ["matrix", "vectors.0", "vectors.1", "vectors.2", "vectors.3"]
+        for k, want in model_sd.items():
+            np.testing.assert_array_equal(got_model[k], want, err_msg=f"rank {rank}: {k}")
+        assert sorted(got_optim["state"]) == sorted(optim_state)
+        for name, entry in optim_state.items():
+            for k, want in entry.items():
+                np.testing.assert_array_equal(got_optim["state"][name][k], want, err_msg=f"rank {rank}: {name}.{k}")
 
 
 def test_zero3_on_one_process_equals_plain(runs):
