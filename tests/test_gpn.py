@@ -437,7 +437,8 @@ def test_diagnostics_and_a_short_run_where_the_loss_falls():
 @pytest.mark.parametrize("kw,match", [
     ({"mem_heads": -1}, "mem_heads"), ({"mem_heads": 0, "n_layers": 2}, "bare GPN"),
     ({"position0": "first"}, "position0"), ({"segment": -1}, "segment"), ({"tbptt": -2}, "tbptt"),
-    ({"d_state": 0}, "d_state")])
+    ({"d_state": 0}, "d_state"),
+    ({"reset_at_documents": True, "eos_id": V}, f"model.eos_id {V} must be a token id below model.vocab_size {V}")])
 def test_bad_model_fields_are_one_sentence(kw, match):
     with pytest.raises(ValueError, match=match):
         cfg_of(**kw).validate()

@@ -119,28 +119,33 @@ def test_streaming_decode_equals_the_parallel_forward(arch):
     torch.testing.assert_close(streamed, full, rtol=0, atol=atol)
 
 
+DOCUMENT_FIELDS = ("document_mask", "reset_at_documents")  # what makes training follow documents: masks, resets
+
+
 def _document_masked(arch):
-    """(spec, model in float64) of an architecture's tiny config with model.document_mask=true, where its
-    config has that field and accepts it (the refusal's sentence otherwise, for the skip)."""
+    """(spec, model config, model in float64) of an architecture's tiny config with its document field
+    on (DOCUMENT_FIELDS), where its config has one and accepts it (the refusal's sentence otherwise)."""
     spec = get_arch(arch)
-    if "document_mask" not in {f.name for f in dataclasses.fields(spec.config_cls)}:
-        pytest.skip(f"{arch} has no model.document_mask (no attention across documents to mask)")
+    field = next((f.name for f in dataclasses.fields(spec.config_cls) if f.name in DOCUMENT_FIELDS), None)
+    if field is None:
+        pytest.skip(f"{arch} has none of {', '.join(DOCUMENT_FIELDS)} (nothing follows documents)")
     config, over = tiny_config(arch)
     exact_under = [f"model.{k}={v}" for k, v in spec.decode.config.items()]
     try:
-        cfg = load_config(config, over + exact_under + [f"model.vocab_size={VOCAB}", "model.document_mask=true"],
+        cfg = load_config(config, over + exact_under + [f"model.vocab_size={VOCAB}", f"model.{field}=true"],
                           check_data=False)
     except ValueError as e:  # a ConfigError, or the model config's own validate()
-        pytest.skip(f"{arch} refuses model.document_mask=true: {e}")
+        pytest.skip(f"{arch} refuses model.{field}=true: {e}")
     torch.manual_seed(0)
     return spec, cfg.model, spec.build(cfg.model).double().eval()
 
 
 @pytest.mark.parametrize("arch", ALL)
 def test_decode_across_documents_follows_the_training_mask(arch):
-    """With model.document_mask, a sequence holding EOS tokens: streaming decode equals `logits`, and both
-    equal the training forward on the batch the data path makes of it (documents split after each EOS,
-    positions restarting), position by position, through the loss at each position alone."""
+    """With model.document_mask (or a recurrence's reset_at_documents), a sequence holding EOS tokens:
+    streaming decode equals `logits`, and both equal the training forward on the batch the data path
+    makes of it (documents split after each EOS, positions restarting), position by position, through
+    the loss at each position alone."""
     from pretrain.data.batch import collate
 
     spec, cfg, model = _document_masked(arch)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
 
 
 @dataclass
@@ -44,6 +45,42 @@ class ModelConfig:
     def validate_run(self, run) -> None:
         """Checks that need the rest of the run's config (a RunConfig: sequence length, micro batch,
         parallel layout), called by its validate() before any work; raise ValueError in one sentence."""
+
+
+def tokenizer_ids(run) -> dict[str, int | None] | None:
+    """The special ids of the run's tokenizer (data_tools.tokenizer's special_ids), None without one (a
+    synthetic task, or a missing file, which the data check reports)."""
+    import os
+
+    path = run.data.tokenizer
+    if run.data.task or not path or not os.path.isfile(path):
+        return None
+    from data_tools.tokenizer import load_tokenizer
+
+    return load_tokenizer(path).special_ids()
+
+
+def check_eos_id(cfg: ModelConfig, reads: str, run=None) -> None:
+    """model.eos_id, where inference reads the documents off the tokens (with model.<reads> on, the field
+    that makes training follow documents): a token id below model.vocab_size and, given the run's
+    config, its tokenizer's end of a document (training reads documents from the data instead)."""
+    if not getattr(cfg, reads):
+        return
+    if not 0 <= cfg.eos_id < cfg.vocab_size:
+        raise ValueError(f"model.eos_id {cfg.eos_id} must be a token id below model.vocab_size {cfg.vocab_size} "
+                         f"(with model.{reads}, inference starts a new document after it)")
+    ids = tokenizer_ids(run) if run is not None else None
+    if ids is not None and ids["eos"] != cfg.eos_id:
+        raise ValueError(f"model.eos_id {cfg.eos_id} is not data.tokenizer's end-of-document id {ids['eos']}; "
+                         f"set model.eos_id={ids['eos']}")
+
+
+def doc_ids_of(tokens: Tensor, eos_id: int, first: Tensor | None = None) -> Tensor:
+    """Document index of each position of tokens [B, n], an EOS belonging to the document it ends (the data
+    path's convention), counting from `first` [B] (the document the first token continues; 0 if None)."""
+    eos = (tokens == eos_id).long()
+    doc = eos.cumsum(1) - eos
+    return doc if first is None else doc + first[:, None]
 
 
 def step_seed(run_seed: int, step: int) -> int:

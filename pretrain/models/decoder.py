@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from kernels.attention import Mask, decoder_mask
 from parallel.layers import LMHead, VocabEmbedding
 from parallel.stages import NotOnThisStage, mark_tied
-from pretrain.models.base import EVAL, ModelConfig
+from pretrain.models.base import EVAL, ModelConfig, check_eos_id, doc_ids_of
 from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
 
 __all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "doc_ids_of", "rope_tables"]
@@ -90,40 +90,14 @@ class DecoderConfig(ModelConfig):
             raise ValueError(f"model.window must be >= 0 (0 = unlimited attention), got {self.window}")
         if self.norm_eps <= 0 or self.rope_theta <= 0 or self.init_std <= 0:
             raise ValueError("model.norm_eps, model.rope_theta and model.init_std must be positive")
-        if self.document_mask and not 0 <= self.eos_id < self.vocab_size:
-            raise ValueError(f"model.eos_id {self.eos_id} must be a token id below model.vocab_size {self.vocab_size} "
-                             "(model.document_mask starts a new document after it)")
+        check_eos_id(self, "document_mask")
         self.block_options(1).validate()
 
     def validate_run(self, run) -> None:
         """With document masks, model.eos_id is the tokenizer's end of a document (inference reads the
         documents off the tokens where training reads them from the data)."""
         super().validate_run(run)
-        ids = tokenizer_ids(run)
-        if self.document_mask and ids is not None and ids["eos"] != self.eos_id:
-            raise ValueError(f"model.eos_id {self.eos_id} is not data.tokenizer's end-of-document id {ids['eos']}; "
-                             f"set model.eos_id={ids['eos']}")
-
-
-def tokenizer_ids(run) -> dict[str, int | None] | None:
-    """The special ids of the run's tokenizer (data_tools.tokenizer's special_ids), None without one (a
-    synthetic task, or a missing file, which the data check reports)."""
-    import os
-
-    path = run.data.tokenizer
-    if run.data.task or not path or not os.path.isfile(path):
-        return None
-    from data_tools.tokenizer import load_tokenizer
-
-    return load_tokenizer(path).special_ids()
-
-
-def doc_ids_of(tokens: Tensor, eos_id: int, first: Tensor | None = None) -> Tensor:
-    """Document index of each position of tokens [B, n], an EOS belonging to the document it ends (the data
-    path's convention), counting from `first` [B] (the document the first token continues; 0 if None)."""
-    eos = (tokens == eos_id).long()
-    doc = eos.cumsum(1) - eos
-    return doc if first is None else doc + first[:, None]
+        check_eos_id(self, "document_mask", run)
 
 
 class KVCache:

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from kernels.delta_memory import reference as memory
 from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, replicated_parameter
 from parallel.recompute import Recompute
-from pretrain.models.base import EVAL, ModelConfig
+from pretrain.models.base import EVAL, ModelConfig, check_eos_id, doc_ids_of
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 
 POSITION0 = ("context", "uniform")
@@ -66,6 +66,7 @@ class GPNConfig(ModelConfig):
     decoder_bias: bool = False  # b_dec (the §7.2 ablation only)
     position0: str = "context"  # context | uniform (the paper's code: position 0 a target, predicted from zeros)
     reset_at_documents: bool = False  # zero the state where a document starts (the paper does not, A9)
+    eos_id: int = 2  # the tokenizer's end of a document: where inference resets (model.reset_at_documents)
     segment: int = 0  # S, steps per BPTT segment (recomputed under parallel.recompute=full); 0: ceil(sqrt(T))
     tbptt: int = 0  # K: detach the carried state at the step boundaries K, 2K, ... (spec A10; 0: full BPTT)
     norm_eps: float = 1e-6
@@ -88,8 +89,10 @@ class GPNConfig(ModelConfig):
             if getattr(self, name) < 0:
                 raise ValueError(f"model.{name} must be >= 0 (0: {'the default' if name != 'tbptt' else 'off'}), "
                                  f"got {getattr(self, name)}")
+        check_eos_id(self, "reset_at_documents")
 
     def validate_run(self, run) -> None:
+        check_eos_id(self, "reset_at_documents", run)
         T = run.data.seq_len
         if self.segment > T:
             raise ValueError(f"model.segment={self.segment} is longer than the window (data.seq_len={T}); use at most "
@@ -439,14 +442,22 @@ class GPN(nn.Module):
         diag["state_norm"] = sp.detach().norm(dim=-1).mean()
         return loss, diag
 
+    def _documents(self, tokens: Tensor) -> Tensor | None:
+        """Documents as the data path numbers them (a new one after each EOS), where the state resets at them."""
+        return doc_ids_of(tokens, self.cfg.eos_id) if self.cfg.reset_at_documents else None
+
     def logits(self, tokens: Tensor) -> Tensor:
         """Next-token logits after each token [B, T, V] (float32; float64 in float64)."""
-        return self.head.logits(self.decode(self.states(tokens)[0]))
+        return self.head.logits(self.decode(self.states(tokens, self._documents(tokens))[0]))
 
     def step(self, tokens: Tensor, state: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
         """Streaming: the same iteration, token by token, from the carried state, which is updated in place
-        (like a decoder's KV cache) and returned."""
-        sp, new = self.states(tokens, state=state)
+        (like a decoder's KV cache) and returned. Under model.reset_at_documents a row whose last token is
+        EOS leaves a zero state (what training's reset gives the next document's first step)."""
+        sp, new = self.states(tokens, self._documents(tokens), state=state)
+        if self.cfg.reset_at_documents:
+            ended = (tokens[:, -1] != self.cfg.eos_id).to(new[2].dtype)
+            new = [new[0] * ended[:, None], new[1] * ended[:, None, None, None], new[2] * ended[:, None]]
         state[:] = new
         return self.head.logits(self.decode(sp)), state
 

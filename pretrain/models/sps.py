@@ -40,7 +40,8 @@ from kernels.attention.masks import document_bounds
 from parallel.layers import gather_sequence, local_sequence
 from pretrain.models import decoder
 from pretrain.models.blocks import Block
-from pretrain.models.decoder import Decoder, DecoderConfig, doc_ids_of
+from pretrain.models.base import doc_ids_of, tokenizer_ids
+from pretrain.models.decoder import Decoder, DecoderConfig
 from pretrain.models.registry import ArchSpec, Support, register
 
 X, RHO = 0, 1  # slot kinds: the input token, its <predict> slot
@@ -94,7 +95,7 @@ class SPSConfig(DecoderConfig):
             raise ValueError(f"model.arch=sps reads the <predict> id from a tokenizer; data.task={run.data.task} "
                              "has none (train on tokenized files)")
         super().validate_run(run)
-        ids = decoder.tokenizer_ids(run)
+        ids = tokenizer_ids(run)
         if ids is None:  # a missing file is the data check's to report
             return
         from data_tools.tokenizer import PREDICT_PIECE
