@@ -83,6 +83,12 @@ def doc_ids_of(tokens: Tensor, eos_id: int, first: Tensor | None = None) -> Tens
     return doc if first is None else doc + first[:, None]
 
 
+def continue_doc_ids(tokens: Tensor, eos_id: int, first: Tensor) -> tuple[Tensor, Tensor]:
+    """doc_ids_of for a stream fed in pieces: the pieces' ids, and the document [B] the next piece begins in."""
+    doc = doc_ids_of(tokens, eos_id, first)
+    return doc, doc[:, -1] + (tokens[:, -1] == eos_id).long()
+
+
 def step_seed(run_seed: int, step: int) -> int:
     """A 63-bit seed for step `step` of a run seeded `run_seed`: a pure function of both (numpy's
     SeedSequence mixes them), so ranks and resumed runs agree without communicating."""

@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from kernels.attention import Mask, decoder_mask
 from parallel.layers import LMHead, VocabEmbedding
 from parallel.stages import NotOnThisStage, mark_tied
-from pretrain.models.base import EVAL, ModelConfig, check_eos_id, doc_ids_of
+from pretrain.models.base import EVAL, ModelConfig, check_eos_id, continue_doc_ids, doc_ids_of
 from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
 
-__all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "doc_ids_of", "rope_tables"]
+__all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "rope_tables"]
 
 
 @dataclass
@@ -120,9 +120,7 @@ class KVCache:
         if self.doc is None:
             self.doc = torch.zeros(B, self.max_len, dtype=torch.long, device=tokens.device)
             self.next_doc = torch.zeros(B, dtype=torch.long, device=tokens.device)
-        new = doc_ids_of(tokens, eos_id, self.next_doc)
-        self.doc[:, self.length:self.length + n] = new
-        self.next_doc = new[:, -1] + (tokens[:, -1] == eos_id).long()
+        self.doc[:, self.length:self.length + n], self.next_doc = continue_doc_ids(tokens, eos_id, self.next_doc)
         return self.doc[:, :self.length + n]
 
     def extend(self, slot: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:

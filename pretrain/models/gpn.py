@@ -128,6 +128,12 @@ def _state_precision(M: Tensor):
     return torch.autocast(M.device.type, enabled=False) if torch.is_autocast_enabled(M.device.type) else nullcontext()
 
 
+def _kept(state: list[Tensor], keep: Tensor) -> list[Tensor]:
+    """The state [s^g, M, s^p] with the rows where keep [B] is 0 zeroed (a document start)."""
+    k = keep[:, None]
+    return [state[0] * k, state[1] * k[..., None, None], state[2] * k]
+
+
 def _unit(x: Tensor) -> Tensor:
     """The spec's l2n per head: x / sqrt(|x|^2 + 1e-12) (0 stays 0)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
@@ -379,8 +385,7 @@ class GPN(nn.Module):
         out = []
         for t in range(G.shape[1]):
             if keep is not None:
-                k = keep[:, t, None]
-                state = [state[0] * k, state[1] * k[..., None, None], state[2] * k]
+                state = _kept(state, keep[:, t])
             state = self.iterate(state, G[:, t], W, cut=cut and t == 0)
             out.append(state[2])
         return torch.stack(out, 1), state
@@ -456,8 +461,7 @@ class GPN(nn.Module):
         EOS leaves a zero state (what training's reset gives the next document's first step)."""
         sp, new = self.states(tokens, self._documents(tokens), state=state)
         if self.cfg.reset_at_documents:
-            ended = (tokens[:, -1] != self.cfg.eos_id).to(new[2].dtype)
-            new = [new[0] * ended[:, None], new[1] * ended[:, None, None, None], new[2] * ended[:, None]]
+            new = _kept(new, (tokens[:, -1] != self.cfg.eos_id).to(new[2].dtype))
         state[:] = new
         return self.head.logits(self.decode(sp)), state
 

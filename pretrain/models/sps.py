@@ -39,8 +39,8 @@ from kernels.attention import Mask
 from kernels.attention.masks import document_bounds
 from parallel.layers import gather_sequence, local_sequence
 from pretrain.models import decoder
+from pretrain.models.base import continue_doc_ids, tokenizer_ids
 from pretrain.models.blocks import Block
-from pretrain.models.base import doc_ids_of, tokenizer_ids
 from pretrain.models.decoder import Decoder, DecoderConfig
 from pretrain.models.registry import ArchSpec, Support, register
 
@@ -217,9 +217,8 @@ class SPSState:
         q_tok, q_kind = pos.repeat(2), torch.arange(2, device=dev).repeat_interleave(n)
         q_doc = None
         if self.doc is not None:
-            doc = doc_ids_of(tokens, eos_id, self.cur_doc)
+            doc, self.cur_doc = continue_doc_ids(tokens, eos_id, self.cur_doc)
             q_doc = doc.repeat(1, 2)
-            self.cur_doc = doc[:, -1] + (tokens[:, -1] == eos_id).long()
         # where each new slot goes (plain Python: no device sync): persistent slots appended, the last R
         # windowed ones into the ring at their token index mod R
         kinds = [X] * n + [RHO] * n
