@@ -36,6 +36,7 @@ from parallel.dist import collective
 from parallel.grads import all_reduce_tp_grads, clip_grad_norm, set_lr, tensor_parallel_grad_norm
 from parallel.layers import is_tensor_parallel, sequence_parallel_params
 from parallel.mesh import layout
+from parallel.stages import TIED
 from parallel.state import LocalState
 
 
@@ -97,6 +98,9 @@ class FullState:
             for name, p in module.named_parameters(recurse=False):
                 if is_tensor_parallel(p):
                     self.sharded[prefix + name] = p
+                    # a weight tied across pipeline stages keeps its optimizer state under its canonical
+                    # name (the embedding's), which the last stage's head does not otherwise hold
+                    self.sharded.setdefault(getattr(p, TIED, prefix + name), p)
             # A module holding a TP-sharded buffer names it in `tp_buffers` {name: partition_dim} (an
             # attribute on the buffer itself would not survive .to(), which replaces buffers).
             for name, dim in getattr(module, "tp_buffers", {}).items() if layout().tp > 1 else ():

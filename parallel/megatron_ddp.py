@@ -154,7 +154,9 @@ class MegatronState:
         return model_sd, {"state": state, "param_groups": groups}
 
     def model_template(self) -> dict:
-        return {k: torch.empty_like(v) for k, v in self.model.state_dict().items()}
+        # megatron's tensor-parallel layers add `_extra_state: None` entries, which hold nothing (the
+        # engine's TP view leaves them out; megatron's load hook recreates them)
+        return {k: torch.empty_like(v) for k, v in self.model.state_dict().items() if v is not None}
 
     def optim_template(self) -> dict:
         return {n: {"step": torch.zeros((), dtype=torch.float32),

@@ -1,11 +1,12 @@
-"""Every registered architecture's checkpoint moves between one process and every 2-rank layout it
-supports, both ways: a one-process checkpoint resumed under the layout, and the layout's checkpoint
-resumed on one process, continue with the losses (rel 1e-4) and parameters of one uninterrupted
-one-process run.
+"""Every registered architecture's checkpoint moves between one process and every layout it supports
+(test_layout_matrix's LAYOUTS, 2 and 4 ranks), both ways: a one-process checkpoint resumed under the
+layout, and the layout's checkpoint resumed on one process, continue with the losses (rel 1e-4) and
+parameters of one uninterrupted one-process run.
 
-Each architecture trains that reference once per module (2 x HALF steps, checkpointed at HALF); its
-step-HALF checkpoint is the one-process checkpoint every layout resumes. One spawn of 2 ranks per
-layout both resumes it and trains the layout's own checkpoint from scratch. Layouts an architecture's
+Each architecture trains that reference once per module (2 x HALF steps, checkpointed at HALF; once
+more for a layout that changes the model or batch, as PP4's depth); its step-HALF checkpoint is the
+one-process checkpoint the layouts resume. One spawn of the layout's ranks both resumes it and trains
+the layout's own checkpoint from scratch. Layouts an architecture's
 registry entry refuses are not generated (test_layout_matrix.py checks the refusals). CI runs ZeRO-3,
 whose parameter partitions are padded where 2 ranks do not split a parameter evenly (CART's 3-element
 `hyper`), for every architecture; the other layouts are marked slow (`-m slow`).
@@ -24,7 +25,6 @@ from trainer_helpers import step_losses, train_run
 
 HALF = 2  # steps before the checkpoint, and after it
 LOSS_REL = 1e-4
-TWO_RANKS = [name for name, (ranks, _) in LAYOUTS.items() if ranks == 2]
 
 
 def _supported(arch, layout) -> bool:
@@ -32,7 +32,12 @@ def _supported(arch, layout) -> bool:
 
 
 CI = [(a, "zero3") for a in ARCHS if _supported(a, "zero3")]
-SLOW = [(a, layout) for a in ARCHS for layout in TWO_RANKS if layout != "zero3" and _supported(a, layout)]
+SLOW = [(a, layout) for a in ARCHS for layout in LAYOUTS if layout != "zero3" and _supported(a, layout)]
+
+
+def _shape(layout) -> list[str]:
+    """The layout's model and batch overrides (PP4's depth, ...): the one-process runs take them too."""
+    return [o for o in LAYOUTS[layout][1] if o.startswith(("model.", "train."))]
 
 
 def _body(rank, world_size, tmp, corpus, arch, layout):
@@ -66,25 +71,26 @@ def _assert_continues(run_dir, params, ref, what):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus):
-    """reference(arch) -> (run dir, (losses by step, parameters)) of the uninterrupted one-process
-    run of 2 x HALF steps, checkpointed at HALF; trained once per architecture."""
+    """reference(arch, shape) -> (run dir, (losses by step, parameters)) of the uninterrupted one-process
+    run of 2 x HALF steps with the overrides `shape`, checkpointed at HALF; trained once for each."""
     runs = {}
 
-    def get(arch):
-        if arch not in runs:
+    def get(arch, shape):
+        key = (arch, tuple(shape))
+        if key not in runs:
             tmp = str(tmp_path_factory.mktemp(f"reference_{arch}"))
             _, params = train_run(tmp, corpus, "single", 2 * HALF,
-                                  BASE + [f"checkpoint.every={HALF}", "checkpoint.keep_last=2"],
+                                  BASE + shape + [f"checkpoint.every={HALF}", "checkpoint.keep_last=2"],
                                   arch_config=_config(arch))
-            runs[arch] = f"{tmp}/single", (step_losses(f"{tmp}/single"), params)
-        return runs[arch]
+            runs[key] = f"{tmp}/single", (step_losses(f"{tmp}/single"), params)
+        return runs[key]
 
     return get
 
 
 def _round_trip(arch, layout, tmp_path, corpus, reference):
     needs(layout)
-    source, ref = reference(arch)
+    source, ref = reference(arch, _shape(layout))
     tmp = str(tmp_path)
     _copy_run_at(source, f"{tmp}/single_to_layout", HALF)
     params = {}  # every rank's view (a pipeline stage holds its own tensors; the others hold all)
@@ -93,7 +99,7 @@ def _round_trip(arch, layout, tmp_path, corpus, reference):
         params.update(held)
     _assert_continues(f"{tmp}/single_to_layout", params, ref, f"{arch}: one process -> {layout}")
     shutil.copytree(f"{tmp}/layout", f"{tmp}/layout_to_single")
-    _, params = train_run(tmp, corpus, "layout_to_single", 2 * HALF, BASE, arch_config=_config(arch))
+    _, params = train_run(tmp, corpus, "layout_to_single", 2 * HALF, BASE + _shape(layout), arch_config=_config(arch))
     _assert_continues(f"{tmp}/layout_to_single", params, ref, f"{arch}: {layout} -> one process")
 
 
