@@ -368,10 +368,10 @@ def test_gradcheck_of_the_step_and_the_memory_ops():
     m = model_of(d_state=8, d_emb=4, d_ffn=6, mem_heads=2, d_key=3, d_value=2)
     W = m.folded()
     g = torch.Generator().manual_seed(5)
-    sg_prev, M, sp = (torch.randn(2, 8, dtype=torch.float64, generator=g), torch.randn(2, 2, 3, 2, dtype=torch.float64,
+    hg_prev, M, sp = (torch.randn(2, 8, dtype=torch.float64, generator=g), torch.randn(2, 2, 3, 2, dtype=torch.float64,
                       generator=g), torch.randn(2, 8, dtype=torch.float64, generator=g))
     x = torch.randn(2, 8, dtype=torch.float64, generator=g)
-    inputs = [t.requires_grad_() for t in (sg_prev, M, sp, x)]
+    inputs = [t.requires_grad_() for t in (hg_prev, M, sp, x)]
     assert torch.autograd.gradcheck(lambda a, b, c, d: tuple(m.iterate([a, b, c], d, W)), inputs)
     q, k, v, beta, alpha = (t[:1, :1].clone().requires_grad_() for t in _memory_inputs(B=1, T=1, H=2, dk=3, dv=2))
     M0 = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True)

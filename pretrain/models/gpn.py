@@ -29,8 +29,9 @@ at the §2.2 step boundaries t = K, 2K, ..., between Ground and Write: in this l
 iteration that grounds the (mK)-th token of the code's window (the cut's own token then gets no
 gradient through the fuse path, and W_k still gets one from the key of the detached previous s^g).
 
-The state (the last s^g, M, s^p) is the whole decode cache: streaming runs the same iteration, so
-decode equals the training forward exactly.
+The state (the last s^g as its RMS-normalised s^g / rms(s^g), the only form the next step reads, M,
+s^p) is the whole decode cache: streaming runs the same iteration, so decode equals the training
+forward exactly.
 """
 from __future__ import annotations
 
@@ -317,8 +318,8 @@ class GPN(nn.Module):
 
     # -- one step ----------------------------------------------------------------------------------
     def new_state(self, batch_size: int) -> list[Tensor]:
-        """[the last s^g, M, s^p], zeros: the window start, and the whole decode cache (bare GPN, which writes
-        no memory, keeps no s^g: an empty one)."""
+        """[the last s^g / rms(s^g), M, s^p], zeros: the window start, and the whole decode cache (bare GPN,
+        which writes no memory, keeps no s^g: an empty one)."""
         cfg, p = self.cfg, self.fuse.weight
         B, d, H = batch_size, cfg.d_state, cfg.mem_heads
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32  # the state stays fp32 under bf16
@@ -348,18 +349,19 @@ class GPN(nn.Module):
     def iterate(self, state: list[Tensor], g: Tensor, W: Folded, probe: dict | None = None,
                 cut: bool = False) -> list[Tensor]:
         """One token: ground g (its hoisted fuse projection) into the state, write, predict. `cut`: a truncated
-        BPTT boundary (spec A10) after the ground, where the carried state (s^g, s^g_prev, M) is detached."""
+        BPTT boundary (spec A10) after the ground, where the carried state (s^g, the previous s^g, M) is detached."""
         cfg, eps = self.cfg, self.cfg.norm_eps
-        sg_prev, M, sp = state
+        hg_prev, M, sp = state  # hg_prev: the previous s^g / rms (the key's source, normalised once)
         fg = torch.sigmoid(F.linear(_hat(sp, eps), *W.fuse_gate))
         sg = torch.addcmul(g, fg, sp)  # ground: Gate_f(s^p) * s^p + G_t
         if cut:
-            sg, sg_prev, M = sg.detach(), sg_prev.detach(), M.detach()
-        z = F.linear(_hat(sg, eps), *W.first).split(W.sizes_first, -1)
+            sg, hg_prev, M = sg.detach(), hg_prev.detach(), M.detach()
+        hg = _hat(sg, eps)
+        z = F.linear(hg, *W.first).split(W.sizes_first, -1)
         if self.write is not None:
             H, dk = cfg.mem_heads, cfg.d_key
             v, beta, a = z[4], z[5], z[6]  # a: W_a u + dt_bias (folded)
-            k = _unit(F.relu(F.linear(_hat(sg_prev, eps), *W.key)).unflatten(-1, (H, dk)))
+            k = _unit(F.relu(F.linear(hg_prev, *W.key)).unflatten(-1, (H, dk)))
             with _state_precision(M):  # the memory in the state's precision (fp32) under bf16 autocast
                 alpha = torch.exp(W.neg_A * F.softplus(a.to(M.dtype)))
                 M = memory.write(M, k.to(M.dtype), v.unflatten(-1, (H, cfg.d_value)).to(M.dtype),
@@ -367,14 +369,14 @@ class GPN(nn.Module):
             if probe is not None:
                 probe["alpha"].append(alpha.mean())
                 probe["mem_norm"].append(M.flatten(1).norm(dim=-1).mean())
-            sg_prev = sg  # the next write's key source
+            hg_prev = hg  # the next write's key source
         s = self._predict(0, sg, list(z[:4]), M if self.write is not None else None, W, probe)
         for i, Wl in enumerate(W.later, 1):
             zl = F.linear(_hat(s, eps), *Wl).split(W.sizes_later, -1)
             s = self._predict(i, s, list(zl), M, W, probe)
         if probe is not None:
             probe["fuse_gate"].append(fg.mean())
-        return [sg_prev, M, s.to(sp.dtype)]
+        return [hg_prev, M, s.to(sp.dtype)]
 
     # -- the window ----------------------------------------------------------------------------------
     def _run(self, state: list[Tensor], G: Tensor, W: Folded, keep: Tensor | None,
