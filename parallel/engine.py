@@ -169,7 +169,7 @@ class Engine:
         """Forward and backward of one optimizer step's micro batches, micro batch i's loss scaled by
         weights[i]; returns (sum of weights[i] x loss_i, {name: sum of weights[i] x diagnostic_i},
         forward seconds, backward seconds). Gradients stay unreduced until the last micro batch."""
-        loss_sum = torch.zeros((), device=weights.device)
+        loss_sum = torch.zeros((), device=weights.device, dtype=weights.dtype)
         diagnostics: dict = {}
         t_fwd = t_bwd = 0.0
         for i, batch in enumerate(micro_batches):

@@ -161,7 +161,9 @@ class TrainConfig:
     global_batch_seqs: int = 8  # sequences per optimizer step (x data.seq_len tokens)
     micro_batch_seqs: int = 8  # sequences per forward/backward; the rest is gradient accumulation
     seed: int = 0  # initialisation and dropout seed
-    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 | fp64 (float64 weights and math, one process without
+    # TP, PP or ZeRO: for numerical checks, whose figures then agree across CPUs to ~1e-14)
+    precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True  # torch.compile the model (pays off after ~50 steps on CPU; short runs turn it off)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
@@ -198,7 +200,7 @@ class TrainConfig:
                               f"it off, got {z}")
         if self.skip_outlier_window < 2:
             raise ConfigError(f"train.skip_outlier_window must be at least 2 steps, got {self.skip_outlier_window}")
-        choices = {"precision": ("auto", "fp32", "bf16"), "device": ("auto", "cpu", "cuda"),
+        choices = {"precision": ("auto", "fp32", "bf16", "fp64"), "device": ("auto", "cpu", "cuda"),
                    "nan_policy": ("stop", "skip")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -295,6 +297,10 @@ class RunConfig:
         for name, size in spec.tp_dims(self.model).items() if spec.tp_dims else ():
             if size % self.parallel.tp:
                 raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide {name} = {size}")
+        par = self.parallel
+        if self.train.precision == "fp64" and (par.tp > 1 or par.pp > 1 or par.data_parallel != "ddp"):
+            raise ConfigError(f"train.precision=fp64 runs with parallel.data_parallel=ddp, tp=1 and pp=1 only (got "
+                              f"data_parallel={par.data_parallel}, tp={par.tp}, pp={par.pp}): it is a numerical-check mode")
         if self.train.compile and self.parallel.data_parallel != "ddp":
             raise ConfigError(f"train.compile=true is supported with parallel.data_parallel=ddp only; set "
                               f"train.compile=false for {self.parallel.data_parallel}")

@@ -56,11 +56,16 @@ def resolve_device(train) -> torch.device:
 
 
 def autocast_dtype(train, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on GPUs by default; fp32 on CPU, where bf16 matmuls are ~5x slower."""
+    """bf16 autocast on GPUs by default; fp32 on CPU, where bf16 matmuls are ~5x slower; none with fp64."""
     precision = train.precision
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     return torch.bfloat16 if precision == "bf16" else None
+
+
+def param_dtype(train) -> torch.dtype:
+    """The weights' dtype: float64 under train.precision=fp64 (numerical checks), float32 otherwise."""
+    return torch.float64 if train.precision == "fp64" else torch.float32
 
 
 def _refuse_imported(run_dir: str) -> None:
@@ -158,8 +163,8 @@ class Window:
     skipped: int = 0  # steps of the window whose update was skipped (pretrain/bad_steps.py)
 
     @classmethod
-    def start(cls, device: torch.device) -> "Window":
-        return cls(loss=torch.zeros((), device=device), t0=time.perf_counter())
+    def start(cls, device: torch.device, dtype: torch.dtype = torch.float32) -> "Window":
+        return cls(loss=torch.zeros((), device=device, dtype=dtype), t0=time.perf_counter())
 
     def add_diagnostics(self, diagnostics: dict, dp_size: int) -> None:
         for name, value in diagnostics.items():
@@ -224,7 +229,7 @@ class Trainer:
 
         def build():
             torch.manual_seed(t.seed)
-            return self.spec.build(cfg.model).to(self.device)
+            return self.spec.build(cfg.model).to(self.device, param_dtype(t))  # initialised in fp32 either way
 
         # layout, recompute, compile, engine: in that order, in one place (parallel/apply.py)
         self.engine = parallelize(build, EngineSettings.from_run(cfg), lambda m: build_optimizer(m, cfg.optim),
@@ -348,7 +353,7 @@ class Trainer:
         self._open_outputs()
         batches = self._loader()
         self.last_saved, self.kernels_reported = self.step, False
-        window, record = Window.start(self.device), {}
+        window, record = Window.start(self.device, param_dtype(self.cfg.train)), {}
         self.model.train()
         stop = StopOnSignal(t.stop_signals, announce=self.log)
         reset_paths_used()
@@ -358,7 +363,7 @@ class Trainer:
                 self._optimizer_step(batches, window)
                 if self._log_due():
                     record = self._log_window(window)
-                    window = Window.start(self.device)
+                    window = Window.start(self.device, param_dtype(self.cfg.train))
                 self._checkpoint_or_stop(stop)
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler is in place: no save (a
             # collective some ranks would not join), the latest checkpoint stays
@@ -395,7 +400,7 @@ class Trainer:
         t0 = time.perf_counter()
         ctx = StepContext.for_step(self.cfg.train.seed, self.step)
         micro = [next(batches).to(self.device, non_blocking=True) for _ in range(self.n_micro)]
-        tokens = torch.stack([b.loss_mask.sum() for b in micro]).float()
+        tokens = torch.stack([b.loss_mask.sum() for b in micro]).to(param_dtype(self.cfg.train))  # the loss's dtype
         total = all_reduce_sum(tokens.sum(), "target token count").clamp(min=1.0)
         weights = tokens * (self.dp_size / total)
         window.data += time.perf_counter() - t0
@@ -416,8 +421,9 @@ class Trainer:
         A skipped step's gradients are dropped by the zero_grad that follows; the optimizer (moments,
         step count) is untouched. DeepSpeed knows the grad norm only inside its step, where its own
         overflow check skips a non-finite one: that skip is read back and judged like the others."""
-        loss = all_reduce_sum(step_loss.detach().clone().float(), "loss check") / max(self.dp_size, 1)
-        values = torch.stack([loss, grad_norm.detach().float().to(loss.device)]) if grad_norm is not None \
+        dtype = torch.promote_types(step_loss.dtype, torch.float32)  # fp64 runs keep every digit
+        loss = all_reduce_sum(step_loss.detach().clone().to(dtype), "loss check") / max(self.dp_size, 1)
+        values = torch.stack([loss, grad_norm.detach().to(loss.device, dtype)]) if grad_norm is not None \
             else loss.reshape(1)
         host = values.tolist()
         norm = host[1] if grad_norm is not None else None
@@ -500,7 +506,7 @@ class Trainer:
             f"model {cfg.model.arch}: {counts['total']:,} parameters ({counts['non_embedding']:,} non-embedding); "
             f"{self.flops_per_token / 1e6:,.1f} MFLOP/token | batch {cfg.train.global_batch_seqs} sequences = "
             f"{cfg.tokens_per_step:,} tokens/step | {self.device}, "
-            f"{'fp32' if self.amp_dtype is None else 'bf16 autocast'}, {torch.get_num_threads()} threads | "
+            f"{'bf16 autocast' if self.amp_dtype else 'fp64' if cfg.train.precision == 'fp64' else 'fp32'}, {torch.get_num_threads()} threads | "
             f"peak {self.peak_tflops:.3f} TFLOP/s ({self.peak_source}) | {allocator_note()} | run dir {self.run_dir}"
         )
         p, lay = cfg.parallel, self.layout

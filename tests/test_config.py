@@ -80,7 +80,11 @@ def test_the_rt_papers_warmup_cosine_schedule_loads_and_round_trips():
         (["schedule.warmup_start=0.1"], "schedule.warmup_start is used by schedule.kind=warmup_cosine only"),
         (["schedule.kind=warmup_cosine", "schedule.warmup_start=1.5"],
          r"schedule.warmup_start must be a fraction of optim.lr in \[0, 1\] with schedule.kind=warmup_cosine, got 1.5"),
-        (["train.precision=fp8"], "train.precision must be one of auto, fp32, bf16"),
+        (["train.precision=fp8"], "train.precision must be one of auto, fp32, bf16, fp64"),
+        (["train.precision=fp64", "parallel.tp=2"], "train.precision=fp64 runs with parallel.data_parallel=ddp, tp=1 "
+         "and pp=1 only"),
+        (["train.precision=fp64", "parallel.data_parallel=deepspeed", "parallel.zero_stage=1", "train.compile=false"],
+         "train.precision=fp64 runs with .* data_parallel=deepspeed"),
         (["data.train=[]"], "data.train is empty"),
         (["data.train=[nowhere/x]"], "dataset 'nowhere/x' not found"),
     ],

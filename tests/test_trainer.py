@@ -152,6 +152,23 @@ def test_bf16_training_path_runs_on_cpu(tmp_path, corpus):
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
 
 
+def test_fp64_training_keeps_every_digit_resumes_and_evaluates(tmp_path, corpus):
+    over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 4, "train.precision": "fp64",
+                                               "schedule.warmup_steps": 1})
+    trainer = Trainer(load_config("baseline/tiny", over), log=lambda *_: None)
+    assert trainer.amp_dtype is None and all(p.dtype == torch.float64 for p in trainer.model.parameters())
+    trainer.fit()
+    got = losses(tmp_path / "run")
+    # logged in float64: an fp32 sum on the way would leave values a float32 holds exactly
+    assert any(torch.tensor(v, dtype=torch.float32).item() != v for v in got.values())
+    resumed = Trainer(load_config("baseline/tiny", over + ["train.max_steps=6"]), log=lambda *_: None)
+    resumed.fit()
+    assert resumed.step == 6 and all(p.dtype == torch.float64 for p in resumed.model.parameters())
+    out = run_cli("eval", str(tmp_path / "run"), "--json")
+    assert out.returncode == 0, out.stderr
+    assert 0 < json.loads(out.stdout)["val_loss"] < 10
+
+
 def test_starting_over_never_deletes_a_previous_run(tmp_path, corpus):
     over = tiny_overrides(tmp_path, corpus, **{"train.max_steps": 5, "schedule.warmup_steps": 1})
     Trainer(load_config("baseline/tiny", over), log=lambda *_: None).fit()
