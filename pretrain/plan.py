@@ -30,9 +30,10 @@ class StageReport:
 
 
 def parse_layout(text: str) -> dict[str, int]:
-    """"tp=4,pp=2,dp=8" -> {"tp": 4, "pp": 2, "dp": 8}; ValueError naming what is wrong."""
+    """"tp=4,pp=2,dp=8" -> {"tp": 4, "pp": 2, "dp": 8} (sizes left out are 1; "" is one rank); ValueError
+    naming what is wrong."""
     out = {"tp": 1, "pp": 1, "dp": 1}
-    for part in text.split(","):
+    for part in text.split(",") if text.strip() else ():  # none given: one rank
         key, _, value = part.partition("=")
         if key.strip() not in out or not value.strip().isdigit() or int(value) < 1:
             raise ValueError(f"--layout {text!r}: give tp=N,pp=N,dp=N with positive integers (any may be left out)")
@@ -255,8 +256,9 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
         worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
     serial = spec.serial_loop(cfg.model, T) if spec.serial_loop else None
     steps, serial_flops = serial or (0, 0.0)
+    width, layers = spec.plan_shape(cfg.model)
     est = step_time(hw, flops_per_token=flops, tokens_per_step=cfg.tokens_per_step, gpus=gpus,
-                    d_model=cfg.model.d_model, layers=getattr(cfg.model, "n_layers", 1), tp=tp, pp=pp, dp=dp,
+                    d_model=width, layers=layers, tp=tp, pp=pp, dp=dp,
                     micro_batches=M, micro_tokens=mb * T, params_per_rank=max(r.params for r in stages),
                     recompute=policy != "none", engine=engine_of(parallel), serial_steps=steps,
                     serial_flops_per_token=serial_flops, virtual=parallel.virtual_stages)
@@ -299,9 +301,24 @@ def plan_lines(cfg, gpus: int, gpu: str, memory_gib: float | None, top: int = 12
     if not found or not found[0].activations_known:
         lines.append(f"activations: model.arch {cfg.model.arch!r} has no activation_bytes estimate yet; memory shows "
                      "weights, gradients and optimizer state only (+?)")
-    for sentence, count in sorted(refused.items(), key=lambda kv: -kv[1])[:3]:
+    for sentence, count in _grouped(refused)[:6]:
         lines.append(f"refused ({count}x): {sentence}")
     return lines
+
+
+def _grouped(refused: dict[str, int]) -> list[tuple[str, int]]:
+    """Refusals that differ only in a parallel size ("parallel.pp=2 ...", "parallel.pp=4 ...") as one
+    sentence naming every size, most frequent first."""
+    import re
+
+    groups: dict[str, tuple[list, int]] = {}
+    for sentence, count in refused.items():
+        sizes = re.findall(r"parallel\.(?:tp|pp)=(\d+)", sentence)
+        key = re.sub(r"(parallel\.(?:tp|pp))=\d+", r"\1={}", sentence, count=1) if sizes else sentence
+        values, total = groups.get(key, ([], 0))
+        groups[key] = (values + sizes[:1], total + count)
+    out = [(key.replace("{}", ",".join(sorted(set(v), key=int)), 1) if v else key, n) for key, (v, n) in groups.items()]
+    return sorted(out, key=lambda kv: -kv[1])
 
 
 def predict(cfg, gpus: int, gpu: str, engine: str = "ddp") -> Candidate:

@@ -41,6 +41,33 @@ def test_a_layout_that_does_not_fit_is_one_sentence():
     assert r.returncode == 2 and "give tp=N,pp=N,dp=N with positive integers" in r.stderr
 
 
+def _shipped_archs() -> list[str]:
+    from pretrain.models import all_archs
+
+    return [s.name for s in all_archs() if not s.name.startswith("test_")]
+
+
+@pytest.mark.parametrize("arch", _shipped_archs())
+def test_every_architecture_is_planned_and_dry_run(arch):
+    """No architecture is left out of the planner (GPN's traceback, CRT's draw on meta tensors): the --gpus
+    table proposes a layout, a refused parallel feature is a one-line refusal naming its sizes, and the
+    default dry run (one rank) builds the model and shape-checks a step."""
+    from pretrain.models import get_arch
+
+    r = _plan(f"{arch}/tiny", "--gpus", "8")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert any(line.startswith("proposed: parallel.tp=") for line in r.stdout.splitlines()), r.stdout[-1500:]
+    supports = get_arch(arch).supports
+    for feature, sizes in (("pp", "2,4,8"), ("tp", "2,4,8")):
+        if not getattr(supports, feature):
+            refusal = f"parallel.{feature}={sizes} is not supported ({supports.reasons.get(feature, '')}"
+            assert any(line.startswith("refused (") and refusal in line for line in r.stdout.splitlines()), refusal
+    dry = _plan(f"{arch}/tiny", "--dry-run", "train.micro_batch_seqs=2")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert dry.stdout.startswith(f"dry run of {arch} on 1 ranks = tp 1 x pp 1 x dp 1")
+    assert dry.stdout.splitlines()[2].rstrip().endswith("the loss")
+
+
 def _held(rank, world, tmp, corpus, extra):
     """The bytes this rank's engine holds: weights, the gradients of one step, the optimizer's state."""
     import torch

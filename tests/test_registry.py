@@ -95,6 +95,39 @@ def test_shipped_configs_have_the_parameter_counts_they_declare():
     assert declared >= set(SHIPPED), f"no shipped config declares its paper's count: {set(SHIPPED) - declared}"
 
 
+def _meta_tiny(arch):
+    config, over = tiny_config(arch)
+    cfg = load_config(config, over, check_data=False)
+    with torch.device("meta"):
+        return get_arch(arch).build(cfg.model)
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_every_parameter_belongs_to_a_unit_or_an_end_and_a_stage_keeps_only_its_own(arch):
+    """The units (pretrain/models/units.py) own every parameter, so keep_stage can drop what a stage does not
+    run without a list of names: a parameter no unit owns would be dropped from every stage (fails here)."""
+    from pretrain.models.units import Whole, owned_parameters
+
+    model = _meta_tiny(arch)
+    if isinstance(model, Whole):  # one unit: a stage is the whole model
+        assert model.pipeline_units() == 1
+        return
+    units = model.units()
+    assert model.pipeline_units() == len(units) > 0
+    owned = owned_parameters(model, [x for u in units for x in u.owns] + list(model.ends()))
+    assert [n for n, p in model.named_parameters() if id(p) not in owned] == []
+    if not get_arch(arch).supports.pp:
+        return
+    for i in range(len(units)):  # a stage of one unit keeps exactly that unit's parameters and its ends
+        first, last = i == 0, i == len(units) - 1
+        model = _meta_tiny(arch)
+        ends = [model.embed] * first + [model.norm, model.head] * last
+        want = owned_parameters(model, [*model.units()[i].owns, *ends])
+        numel = {id(p): p.numel() for p in model.parameters()}
+        model.keep_stage({i}, first, last)
+        assert sum(p.numel() for p in model.parameters()) == sum(numel[k] for k in want), (arch, i)
+
+
 @pytest.mark.parametrize("arch", ALL)
 def test_streaming_decode_equals_the_parallel_forward(arch):
     spec = get_arch(arch)

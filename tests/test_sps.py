@@ -172,7 +172,7 @@ def _grad_of_losses_wrt_embeddings(model, tokens):
     handle = model.embed.register_forward_hook(hook)
     try:
         positions = torch.arange(T).expand_as(tokens)
-        logits = model.head.logits(model._hidden(tokens, positions, None))
+        logits = model.head.logits(model.hidden(tokens, positions, None))
     finally:
         handle.remove()
     targets = torch.roll(tokens, -1, 1)
@@ -280,7 +280,7 @@ def test_T6_the_de_interleaved_layout_equals_the_interleaved_definition(variant)
     with torch.no_grad():
         h = model.body(inter, positions, model.slot_mask(T, doc, interleaved=True))
         want = model.head.logits(model.norm(h[:, model.cfg.readout::2]))
-        got = model.head.logits(model._hidden(tokens, torch.arange(T).expand(B, T), doc))
+        got = model.head.logits(model.hidden(tokens, torch.arange(T).expand(B, T), doc))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
@@ -313,7 +313,7 @@ def test_T7_finite_poison_in_another_documents_keys_and_values_leaves_outputs_bi
 
     def run():
         with torch.no_grad():
-            return model._hidden(tokens, torch.arange(T)[None], doc)[:, 8:]
+            return model.hidden(tokens, torch.arange(T)[None], doc)[:, 8:]
 
     clean = run()
     handles = [blk.attn.kv.register_forward_hook(poison) for blk in model.blocks]
@@ -374,7 +374,7 @@ def test_T9_the_loss_is_the_mean_over_valid_predict_slots_and_the_head_sees_T_ro
         loss, _ = model(batch)
     assert seen == [torch.Size([2, 19, 32])]  # T rows, not 2T
     with torch.no_grad():
-        logits = model.head.logits(model._hidden(batch.tokens, batch.positions, batch.doc_ids))
+        logits = model.head.logits(model.hidden(batch.tokens, batch.positions, batch.doc_ids))
     # spec §2.4: valid = (idx != PAD) & (idx != EOS), and §8 point 2: no pad target either
     valid = (batch.tokens != PAD) & (batch.tokens != EOS) & (batch.labels != PAD)
     assert torch.equal(batch.loss_mask, valid)  # EOS and pad inputs and pad targets out, the EOS target kept

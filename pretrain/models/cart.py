@@ -30,15 +30,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from kernels.attention import causal
 from parallel.layers import ColumnLinear, ReplicatedLinear, replicated_parameter
-from parallel.stages import NotOnThisStage, balanced_split
+from parallel.stages import balanced_split
 from parallel.recompute import Recompute, apply_recompute
-from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp
 from pretrain.models import decoder
-from pretrain.models.decoder import Decoder, DecoderConfig, KVCache, drop_outside, tp_dims
+from pretrain.models.decoder import Decoder, DecoderConfig, KVCache, tp_dims
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+from pretrain.models.units import Run, Unit
 
 HEAD_DIM = 64
 
@@ -126,10 +125,10 @@ class CARTConfig(DecoderConfig):
         """R for the step of StepContext ctx (n_loops in evaluation or without ctx)."""
         if ctx is None or not ctx.training or self.loops_sampling == "fixed":
             return self.n_loops
-        g = ctx.generator()
+        g, cpu = ctx.generator(), "cpu"  # drawn on the CPU under any default device (a meta dry run draws too)
         if self.loops_sampling == "uniform":
-            return int(torch.randint(self.loops_min, self.n_loops + 1, (1,), generator=g))
-        lam = torch.exp(torch.randn(1, generator=g, dtype=torch.float64) * 0.5 + math.log(self.n_loops - 1) - 0.125)
+            return int(torch.randint(self.loops_min, self.n_loops + 1, (1,), generator=g, device=cpu))
+        lam = torch.exp(torch.randn(1, generator=g, dtype=torch.float64, device=cpu) * 0.5 + math.log(self.n_loops - 1) - 0.125)
         return min(self.loops_max, 1 + int(torch.poisson(lam, generator=g)))
 
     def expected_loops(self) -> float:
@@ -218,44 +217,21 @@ class CART(Decoder):
         return {"rho": gate.max(), "rho_min": gate.min(), "rho_mean": gate.mean(), "blend0": w[0], "blend1": w[1],
                 "blend2": w[2], "loops": torch.tensor(float(R), device=gate.device)}
 
-    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
-        """Mean next-token loss over the batch's loss_mask, and the gate's diagnostics."""
-        return self.run_stage(batch, ctx, None, 0, self.pipeline_units(), last=True)
-
-    # -- pipeline stages: the prelude's layers, the core (all R passes in one stage), the coda --------
-    def pipeline_units(self) -> int:
-        return self.cfg.n_layers + (0 if self.cfg.dense else 2)
-
-    def run_stage(self, batch, ctx, h: Tensor | None, lo: int, hi: int, last: bool) -> tuple[Tensor, dict]:
+    # -- the units: the prelude's layers, the core (all R passes: one pipeline unit), the coda ----------
+    def units(self) -> list[Unit]:
         if self.cfg.dense:
-            return super().run_stage(batch, ctx, h, lo, hi, last)
-        P, R = self.cfg.n_layers, self.cfg.draw_loops(ctx)  # R from the step's context: the same on every stage
-        tokens, a = self.stage_inputs(batch)
-        if h is None:
-            h = self.embed(tokens)
-        diagnostics = {}
-        for unit in range(lo, hi):
-            if unit < P:
-                h = self.prelude[unit](h, a.at(unit))
-            elif unit == P:
-                h, diagnostics = self.loops(h, a, None, 0, R), self.diagnostics(R)
-            else:
-                h = self.coda(h, a.at(P))
-        if last:
-            return self.head.loss(self.norm(h), batch.labels, batch.loss_mask), diagnostics
-        return h, diagnostics
-
-    def keep_stage(self, units, first: bool, last: bool) -> None:
+            return super().units()
         P = self.cfg.n_layers
-        drop_outside(self.prelude, units)
-        if not self.cfg.dense:
-            if P not in units:  # the core unit: its block(s), the anchor projection, the blend and the gate
-                for name in ("kv_proj", "core", "lie", "hyper", "a"):
-                    if hasattr(self, name):
-                        setattr(self, name, None)
-            if P + 1 not in units:
-                self.coda = NotOnThisStage()
-        self.drop_ends(first, last)
+        core = tuple(x for x in (getattr(self, "kv_proj", None), self.core, self.lie, self.hyper, self.a) if x is not None)
+        return [*(Unit.block(layer, i) for i, layer in enumerate(self.prelude)), Unit(self._core, core),
+                Unit.block(self.coda, P)]
+
+    def _core(self, e: Tensor, run: Run) -> Tensor:
+        """The core unit: R passes, R from the step's context (the same on every stage) or the inference
+        override; the gate's diagnostics."""
+        R = run.loops or self.cfg.draw_loops(run.ctx)
+        run.diagnostics.update(self.diagnostics(R))
+        return self.loops(e, run.attend, run.cache, run.offset, R)
 
     def loops(self, e: Tensor, a: Attend, cache: KVCache | None, offset: int, n_loops: int | None = None,
               states: list | None = None) -> Tensor:
@@ -304,17 +280,6 @@ class CART(Decoder):
             out = delta + h_in if cfg.core_update == "reference" else delta
         h = h_in + out if cfg.disable_lti else gate * h_in + out
         return [h, buf[0], buf[1]]
-
-    def body(self, tokens: Tensor, positions: Tensor, mask, cache=None, n_loops: int | None = None) -> Tensor:
-        a = self.attend(positions, mask, cache)
-        x = self.embed(tokens)
-        for i, layer in enumerate(self.prelude):
-            x = layer(x, a.at(i))
-        if self.cfg.dense:
-            return x
-        offset = 0 if cache is None else cache.length
-        h = self.loops(x, a, cache, offset, n_loops)
-        return self.coda(h, a.at(self.cfg.n_layers))
 
     def new_state(self, batch_size: int) -> KVCache:
         cfg, p = self.cfg, self.embed.weight

@@ -34,6 +34,7 @@ from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Block, BlockOptions, dropout, make_norm, mlp, upgrade_attention_state
 from pretrain.models.decoder import Decoder, DecoderConfig, GradCache, KVCache
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+from pretrain.models.units import Whole
 
 BLOCKS = ("paper", "llama")
 CORRECTIONS = ("add", "blind", "concat", "block_head", "none")
@@ -180,7 +181,9 @@ class CRTState(KVCache):
     x_prev: Tensor
 
 
-class CRT(Decoder):
+class CRT(Whole, Decoder):
+    """One pipeline unit (units.Whole): each of the K passes runs every block."""
+
     def __init__(self, cfg: CRTConfig):
         super().__init__(cfg)
         self.trunk = Trunk(cfg)
@@ -341,7 +344,7 @@ def num_passes(cfg: CRTConfig, ctx, seq_len: int) -> int:
         return seq_len + 1 if cfg.exact_eval else min(cfg.eval_k or cfg.k_max, seq_len + 1)
     if not cfg.k_min or cfg.k_min == cfg.k_max:
         return cfg.k_max
-    return int(torch.randint(cfg.k_min, cfg.k_max + 1, (), generator=ctx.generator()))
+    return int(torch.randint(cfg.k_min, cfg.k_max + 1, (), generator=ctx.generator(), device="cpu"))  # cpu: a meta dry run draws too
 
 
 def inference_settings(cfg: CRTConfig, seq_len: int) -> list[str]:

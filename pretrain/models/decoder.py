@@ -24,9 +24,10 @@ from torch import Tensor, nn
 
 from kernels.attention import Mask, decoder_mask
 from parallel.layers import LMHead, VocabEmbedding
-from parallel.stages import NotOnThisStage, mark_tied
+from parallel.stages import mark_tied
 from pretrain.models.base import EVAL, ModelConfig, check_eos_id, continue_doc_ids, doc_ids_of
 from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
+from pretrain.models.units import Run, Unit, Units
 
 __all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "rope_tables"]
 
@@ -154,7 +155,7 @@ class GradCache:
         return keys, values, keys.shape[2] - k.shape[2]
 
 
-class Decoder(nn.Module):
+class Decoder(Units, nn.Module):
     """embed -> applications() -> norm -> head, with the RoPE tables; see the module docstring.
     The config is a DecoderConfig (or derives from it)."""
 
@@ -190,69 +191,69 @@ class Decoder(nn.Module):
         """The blocks the trunk applies, in order (a shared block appears once per application)."""
         raise NotImplementedError
 
-    def hidden(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None = None,
-               cache: KVCache | None = None, mask: Mask | None = None) -> Tensor:
-        """Final-normed hidden states [B, T, d] of tokens [B, T] at positions [B, T], under `mask`
-        (default: self.mask(doc_ids))."""
-        h = self.body(tokens, positions, self.mask(doc_ids) if mask is None else mask, cache)
+    def units(self) -> list[Unit]:
+        """The trunk as units (pretrain/models/units.py): by default block application i, reading decode
+        cache slot i; a model whose trunk has other steps (CART's loop) lists its own."""
+        return [Unit.block(block, slot) for slot, block in enumerate(self.applications())]
+
+    def inputs(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None, cache=None) -> tuple[Tensor, Attend]:
+        """What the trunk embeds and the value every block attends with, for tokens [B, T] at positions
+        [B, T] within documents doc_ids (None: no document mask); SPS builds its slots here."""
+        return tokens, self.attend(positions, self.mask(doc_ids), cache)
+
+    def hidden(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None = None, cache=None) -> Tensor:
+        """The head's input [B, T, d] for tokens [B, T] at positions [B, T] within documents doc_ids (None:
+        no document mask); with a decode cache, after its positions (the cache is extended)."""
+        x, a = self.inputs(tokens, positions, doc_ids, cache)
+        h = self.readout(self.apply_units(self.embed(x), Run(a, cache=cache)), tokens.shape[1])
         if cache is not None:
             cache.length += tokens.shape[1]
-        return self.norm(h)
-
-    def body(self, tokens: Tensor, positions: Tensor, mask: Mask, cache=None) -> Tensor:
-        """Hidden states [B, T, d] after the last block, before the final norm (a model that reads
-        out only some positions norms those alone)."""
-        a = self.attend(positions, mask, cache)
-        h = self.embed(tokens)
-        for slot, block in enumerate(self.applications()):
-            h = block(h, a.at(slot))
         return h
 
-    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
-        """Mean next-token loss over the batch's loss_mask, and diagnostics (none here)."""
-        return self.run_stage(batch, ctx, None, 0, len(self.applications()), last=True)
+    def body(self, tokens: Tensor, positions: Tensor, mask: Mask, cache=None, loops: int | None = None) -> Tensor:
+        """Hidden states [B, T, d] after the last unit, before the final norm (a model that reads out only
+        some positions norms those alone); `loops`: a depth override at inference (CART's R)."""
+        return self.apply_units(self.embed(tokens), Run(self.attend(positions, mask, cache), cache=cache, loops=loops))
 
-    # -- pipeline stages (parallel/pipeline.py): the trunk's block applications are the units ----------
+    def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
+        """Mean next-token loss over the batch's loss_mask, and the units' diagnostics."""
+        return self.run_stage(batch, ctx, None, 0, self.pipeline_units(), last=True)
+
+    # -- pipeline stages (parallel/pipeline.py): a stage is a run of units -------------------------------
     def stage_inputs(self, batch) -> tuple[Tensor, Attend]:
         """What the first stage embeds and the value every block attends with: each stage builds the
         latter from the batch (masks and RoPE tables are values, not activations to send)."""
-        doc_ids = batch.doc_ids if self.cfg.document_mask else None
-        return batch.tokens, self.attend(batch.positions, self.mask(doc_ids))
+        return self.inputs(batch.tokens, batch.positions, batch.doc_ids if self.cfg.document_mask else None)
 
     def stage_output(self, h: Tensor, batch) -> tuple[Tensor, dict]:
-        """The last stage's end, from the last block's output: final norm, head and loss."""
-        return self.head.loss(self.norm(h), batch.labels, batch.loss_mask), {}
+        """The last stage's end, from the last unit's output: the read-out, head and loss."""
+        return self.head.loss(self.readout(h, batch.tokens.shape[1]), batch.labels, batch.loss_mask), {}
 
     def run_stage(self, batch, ctx, h: Tensor | None, lo: int, hi: int, last: bool) -> tuple[Tensor, dict]:
-        """Block applications [lo, hi) on h (None: the embedded tokens, for the first stage); the loss
-        and diagnostics when `last`, else the hidden states for the next stage and diagnostics."""
+        """Units [lo, hi) on h (None: the embedded tokens, for the first stage); the loss and diagnostics
+        when `last`, else the hidden states for the next stage and diagnostics."""
         tokens, a = self.stage_inputs(batch)
-        if h is None:
-            h = self.embed(tokens)
-        applications = self.applications()
-        for slot in range(lo, hi):
-            h = applications[slot](h, a.at(slot))
-        return self.stage_output(h, batch) if last else (h, {})
-
-    def pipeline_units(self) -> int:
-        return len(self.applications())
-
-    def keep_stage(self, units, first: bool, last: bool) -> None:
-        """Drop what a pipeline rank running the block applications `units` (a range, or a set under the
-        interleaved schedule) does not run. The kept parameters keep their single-device names; a head
-        tied to the embedding keeps its own reference to the weight on the last stage (the two copies'
-        gradients are summed by the pipeline engine)."""
-        drop_outside(self.blocks, units)
-        self.drop_ends(first, last)
+        run = Run(a, ctx)
+        h = self.apply_units(self.embed(tokens) if h is None else h, run, lo, hi)
+        if not last:
+            return h, run.diagnostics
+        loss, diagnostics = self.stage_output(h, batch)
+        return loss, {**run.diagnostics, **diagnostics}
 
     def drop_ends(self, first: bool, last: bool) -> None:
-        """The embedding off the first stage, the final norm and head off the last; a tied weight marked."""
+        """The embedding off the first stage, the final norm and head off the last; a tied weight marked
+        (a head tied to the embedding keeps its own reference to the weight on the last stage; the pipeline
+        engine sums the two copies' gradients)."""
         if self.cfg.tie_embeddings:
             mark_tied((self.embed if first else self.head).weight, "embed.weight")
         if not first:
             self.embed = None
         if not last:
             self.norm = self.head = None
+
+    def ends(self) -> tuple:
+        """What the ends own (the embedding, the final norm, the head): every other parameter is a unit's."""
+        return self.embed, self.norm, self.head
 
     def inference_doc_ids(self, tokens: Tensor) -> Tensor | None:
         """The document ids training would mask tokens [B, T] by (None without model.document_mask)."""
@@ -263,6 +264,11 @@ class Decoder(nn.Module):
         model.document_mask, a new document after each EOS)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return self.head.logits(self.hidden(tokens, positions, self.inference_doc_ids(tokens)))
+
+    def readout(self, h: Tensor, T: int) -> Tensor:
+        """The head's input from the last unit's output over T input tokens: the final norm (SPS reads
+        out one half of its slots)."""
+        return self.norm(h)
 
     def new_state(self, batch_size: int) -> KVCache:
         p, o = self.embed.weight, self.cfg.block_options(1)
@@ -277,13 +283,6 @@ class Decoder(nn.Module):
         positions = torch.arange(state.length, state.length + n, device=tokens.device).expand(tokens.shape[0], n)
         doc_ids = state.documents(tokens, self.cfg.eos_id) if self.cfg.document_mask else None
         return self.head.logits(self.hidden(tokens, positions, doc_ids, state)), state
-
-
-def drop_outside(blocks: nn.ModuleList, units, offset: int = 0) -> None:
-    """Replace the blocks of units not in `units` (block i is unit offset + i) by placeholders."""
-    for i in range(len(blocks)):
-        if offset + i not in units:
-            blocks[i] = NotOnThisStage()
 
 
 def pipeline_split(cfg, pp: int) -> list[int]:

@@ -48,6 +48,7 @@ from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, r
 from parallel.recompute import Recompute
 from pretrain.models.base import EVAL, ModelConfig, check_eos_id, doc_ids_of
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+from pretrain.models.units import Whole
 
 POSITION0 = ("context", "uniform")
 
@@ -126,7 +127,8 @@ def _hat(x: Tensor, eps: float) -> Tensor:
 
 def _state_precision(M: Tensor):
     """Autocast off around the memory's arithmetic (spec A14: M stays fp32 under bf16)."""
-    return torch.autocast(M.device.type, enabled=False) if torch.is_autocast_enabled(M.device.type) else nullcontext()
+    on = M.device.type != "meta" and torch.is_autocast_enabled(M.device.type)  # a dry run computes on meta
+    return torch.autocast(M.device.type, enabled=False) if on else nullcontext()
 
 
 def _kept(state: list[Tensor], keep: Tensor) -> list[Tensor]:
@@ -243,7 +245,7 @@ class _Segment(torch.autograd.Function):
         return (None, None, None, None, None, *[next(got) if t.requires_grad else None for t in inputs])
 
 
-class GPN(nn.Module):
+class GPN(Whole, nn.Module):
     def __init__(self, cfg: GPNConfig):
         super().__init__()
         cfg.validate()
@@ -564,4 +566,5 @@ SPEC = register(ArchSpec(
         "pp": "the last predict sub-layer at step t feeds the ground of step t+1: stages would run one after another "
               "for every token (spec §5.2)"}),
     recompute_units={"segments": Recompute(configure=_recompute_segments)},
+    plan_shape=lambda cfg: (cfg.d_state, cfg.n_layers),  # the time loop's matmuls are d wide
 ))

@@ -102,6 +102,10 @@ class ArchSpec:
     # those steps, forward and backward). The planner charges each step a latency and runs those FLOPs
     # at a position-serial efficiency (parallel/plan.py). None: every position runs at once.
     serial_loop: Callable[[Any, int], tuple[int, float] | None] | None = None
+    # (hidden width, layers): the planner sizes its matmul efficiency and the activations a tensor- or
+    # pipeline-parallel step sends by the width, and counts tensor-parallel all-reduces by the layers.
+    # Default: a decoder-shaped config's (model.d_model, model.n_layers).
+    plan_shape: Callable[[Any], tuple[int, int]] = lambda cfg: (cfg.d_model, cfg.n_layers)
     # Pipeline stages (parallel/pipeline.py): pipeline_split(cfg, pp) -> pp + 1 boundaries over the
     # model's pipeline units (its `pipeline_units()`; ValueError, one sentence, when they do not split);
     # the model runs a stage with run_stage(batch, ctx, h, lo, hi, last) and drops the units a rank does

@@ -294,25 +294,11 @@ class SPS(Decoder):
         r = self.cfg.readout
         return self.norm(local_sequence(gather_sequence(h)[:, r * T:(r + 1) * T]))
 
-    def _hidden(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None) -> Tensor:
-        T = tokens.shape[1]
-        h = self.body(self.slots(tokens), positions.repeat(1, 2), self.slot_mask(T, doc_ids))
-        return self.readout(h, T)
-
-    # The training forward is the decoder's (run_stage over every block): the slots and their mask
-    # below, then the read-out slots' loss over the batch's loss_mask (no loss where the input is EOS
-    # or a target crosses a document or is padding: the data path's loss_mask).
-    def stage_inputs(self, batch):
-        doc_ids = batch.doc_ids if self.cfg.document_mask else None
-        T = batch.tokens.shape[1]
-        return self.slots(batch.tokens), self.attend(batch.positions.repeat(1, 2), self.slot_mask(T, doc_ids))
-
-    def stage_output(self, h: Tensor, batch) -> tuple[Tensor, dict]:
-        return self.head.loss(self.readout(h, batch.tokens.shape[1]), batch.labels, batch.loss_mask), {}
-
-    def logits(self, tokens: Tensor) -> Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return self.head.logits(self._hidden(tokens, positions, self.inference_doc_ids(tokens)))
+    # The training forward, logits and pipeline stages are the decoder's: the slots and their mask below,
+    # then the read-out slots' loss over the batch's loss_mask (no loss where the input is EOS or a target
+    # crosses a document or is padding: the data path's loss_mask).
+    def inputs(self, tokens: Tensor, positions: Tensor, doc_ids: Tensor | None, cache=None):
+        return self.slots(tokens), self.attend(positions.repeat(1, 2), self.slot_mask(tokens.shape[1], doc_ids), cache)
 
     def new_state(self, batch_size: int) -> SPSState:
         return SPSState(self, batch_size)
@@ -326,8 +312,7 @@ class SPS(Decoder):
         mask = state.begin(tokens, self.cfg.eos_id)
         h = self.body(self.slots(tokens), positions, mask, state)
         state.length += n
-        r = self.cfg.readout
-        return self.head.logits(self.norm(h[:, r * n:(r + 1) * n])), state
+        return self.head.logits(self.readout(h, n)), state
 
 
 def flops_per_token(cfg: SPSConfig, seq_len: int, ctx=None) -> float:
