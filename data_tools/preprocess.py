@@ -230,6 +230,35 @@ def preprocess(cfg: PreprocessConfig, log=print) -> Stats:
     parts_dir = f"{cfg.output_prefix}.parts-{_fingerprint(cfg, inputs, tok, dtype)}"
     os.makedirs(parts_dir, exist_ok=True)
 
+    total, todo = _finished_partitions(parts, parts_dir)
+    if len(todo) < len(parts):
+        log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done in {parts_dir}")
+    log(f"preprocess: {len(inputs)} input(s), {len(chunks)} chunk(s) in {len(parts)} partition(s), "
+        f"{cfg.workers} worker(s), tokenizer vocab {tok.vocab_size} -> {dtype.name}")
+
+    timeline, t_start = _encode_partitions(cfg, chunks, parts, todo, parts_dir, dtype, max_id, total)
+    encode_seconds = time.perf_counter() - t_start
+
+    if total.documents == 0:
+        raise InputError("no usable documents in the input" + _skip_summary(total))
+    for k, final in finals.items():
+        _merge_partitions([os.path.join(parts_dir, f"part-{p:05d}_{k}") for p in range(len(parts))], final, dtype)
+    shutil.rmtree(parts_dir, ignore_errors=True)
+    elapsed = time.perf_counter() - t_start
+    if cfg.stats_json:
+        with open(cfg.stats_json, "w") as f:
+            json.dump({"timeline": timeline, "encode_seconds": encode_seconds, "total_seconds": elapsed,
+                       **total.to_json()}, f)
+    for k, final in finals.items():
+        log(f"wrote {final}.bin/.idx: {total.documents:,} documents, {total.tokens[k]:,} tokens")
+    log(f"done in {elapsed:.1f} s: {total.documents / elapsed:,.0f} docs/s, "
+        f"{total.text_tokens / elapsed:,.0f} tok/s, {total.input_bytes / elapsed / 2**20:.1f} MiB/s"
+        + _skip_summary(total))
+    return total
+
+
+def _finished_partitions(parts: list[list[int]], parts_dir: str) -> tuple[Stats, list[int]]:
+    """Resume: (the totals of the partitions a previous run finished, the partitions still to do)."""
     total = Stats()
     todo = []
     for p, idxs in enumerate(parts):
@@ -239,11 +268,13 @@ def preprocess(cfg: PreprocessConfig, log=print) -> Stats:
                 total.add(Stats.from_json(json.load(f)))
         else:
             todo.append(p)
-    if len(todo) < len(parts):
-        log(f"resuming: {len(parts) - len(todo)} of {len(parts)} partitions already done in {parts_dir}")
-    log(f"preprocess: {len(inputs)} input(s), {len(chunks)} chunk(s) in {len(parts)} partition(s), "
-        f"{cfg.workers} worker(s), tokenizer vocab {tok.vocab_size} -> {dtype.name}")
+    return total, todo
 
+
+def _encode_partitions(cfg: PreprocessConfig, chunks: list[Chunk], parts: list[list[int]], todo: list[int],
+                       parts_dir: str, dtype, max_id: int, total: Stats) -> tuple[list, float]:
+    """Tokenize the `todo` partitions' chunks, written in chunk order, each partition published as it
+    completes; adds to `total` and returns (per-chunk timeline, start time)."""
     progress = _Progress(sum(c.nbytes for c in chunks), cfg.progress)
     progress.update(total.input_bytes, total)
     timeline = []
@@ -252,16 +283,7 @@ def preprocess(cfg: PreprocessConfig, log=print) -> Stats:
     order = [(p, i) for p in todo for i in parts[p]]
     pool = None
     try:
-        if cfg.workers == 1:
-            _init_worker(*init_args)
-            results = map(encode_chunk, (chunks[i] for _, i in order))
-            window = None
-        else:
-            import multiprocessing as mp
-
-            pool = mp.get_context("fork").Pool(cfg.workers, _init_worker, init_args)
-            window = threading.Semaphore(4 * cfg.workers)
-            results = pool.imap(encode_chunk, _bounded((chunks[i] for _, i in order), window), chunksize=1)
+        pool, window, results = _start_encoding(cfg.workers, init_args, (chunks[i] for _, i in order))
         writers, part_stats, current = None, None, None
         for (p, i), (out, stats) in zip(order, results):
             if window is not None:
@@ -292,24 +314,20 @@ def preprocess(cfg: PreprocessConfig, log=print) -> Stats:
             pool.close()
             pool.join()
         progress.close()
-    encode_seconds = time.perf_counter() - t_start
+    return timeline, t_start
 
-    if total.documents == 0:
-        raise InputError("no usable documents in the input" + _skip_summary(total))
-    for k, final in finals.items():
-        _merge_partitions([os.path.join(parts_dir, f"part-{p:05d}_{k}") for p in range(len(parts))], final, dtype)
-    shutil.rmtree(parts_dir, ignore_errors=True)
-    elapsed = time.perf_counter() - t_start
-    if cfg.stats_json:
-        with open(cfg.stats_json, "w") as f:
-            json.dump({"timeline": timeline, "encode_seconds": encode_seconds, "total_seconds": elapsed,
-                       **total.to_json()}, f)
-    for k, final in finals.items():
-        log(f"wrote {final}.bin/.idx: {total.documents:,} documents, {total.tokens[k]:,} tokens")
-    log(f"done in {elapsed:.1f} s: {total.documents / elapsed:,.0f} docs/s, "
-        f"{total.text_tokens / elapsed:,.0f} tok/s, {total.input_bytes / elapsed / 2**20:.1f} MiB/s"
-        + _skip_summary(total))
-    return total
+
+def _start_encoding(workers: int, init_args: tuple, chunks):
+    """(pool or None, read-ahead window or None, the (out, stats) of each chunk in order): in this process
+    for one worker, else lazily fed to a pool of forked workers."""
+    if workers == 1:
+        _init_worker(*init_args)
+        return None, None, map(encode_chunk, chunks)
+    import multiprocessing as mp
+
+    pool = mp.get_context("fork").Pool(workers, _init_worker, init_args)
+    window = threading.Semaphore(4 * workers)
+    return pool, window, pool.imap(encode_chunk, _bounded(chunks, window), chunksize=1)
 
 
 def _finish_partition(parts_dir: str, p: int, writers: dict, stats: Stats) -> None:

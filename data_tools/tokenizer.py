@@ -346,6 +346,30 @@ def train_sentencepiece(texts: Iterable[str], output_prefix: str | os.PathLike, 
     prefix = str(output_prefix)
     if prefix.endswith(".model"):  # accept "out/tok.model" for "out/tok"
         prefix = prefix[: -len(".model")]
+    _check_training_options(vocab_size, model_type, character_coverage, max_sentence_length, input_sentence_size,
+                            num_threads, byte_fallback, extra_options)
+    stream, failure = _training_stream(prefix, texts, max_sentence_length, input_sentence_size,
+                                       shuffle_input_sentence, seed)
+    options = _trainer_options(vocab_size, model_type, character_coverage, max_sentence_length, num_threads,
+                               byte_fallback, extra_options, verbose)
+    import sentencepiece as spm
+
+    # model_writer returns the model instead of writing <model_prefix>.model: the model records its
+    # model_prefix, so training under a unique temporary prefix would make every model differ.
+    buffer = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=stream(), model_writer=buffer, **options)
+    except RuntimeError as e:
+        if failure:
+            raise failure[0] from None
+        raise _training_error(prefix, vocab_size, e) from None
+    return _write_model(prefix, buffer.getvalue())
+
+
+def _check_training_options(vocab_size, model_type: str, character_coverage: float, max_sentence_length: int,
+                            input_sentence_size: int, num_threads: int, byte_fallback: bool,
+                            extra_options: dict | None) -> None:
+    """Refuse train_sentencepiece's bad options before any text is read, with what to change."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model_type {model_type!r}; expected one of {', '.join(MODEL_TYPES)}")
     reserved = len(SPECIAL_PIECES) + 1 + (BYTE_PIECES if byte_fallback else 0)
@@ -364,9 +388,14 @@ def train_sentencepiece(texts: Iterable[str], output_prefix: str | os.PathLike, 
                          f"{', '.join(sorted(_RESERVED_OPTIONS & set(extra_options)))}")
     _check_threads(num_threads)
 
+
+def _training_stream(prefix: str, texts: Iterable[str], max_sentence_length: int, input_sentence_size: int,
+                     shuffle: bool, seed: int):
+    """(stream, failure): stream() yields the training lines; failure receives the exception that stopped
+    it, if any. Raises at once when there is no text at all."""
     lines = _training_lines(texts, max_sentence_length)
     if input_sentence_size:
-        lines = _sample(lines, input_sentence_size, shuffle_input_sentence, seed)
+        lines = _sample(lines, input_sentence_size, shuffle, seed)
     first = next(lines, None)  # fail early and clearly instead of sentencepiece's bare check
     if first is None:
         raise ValueError(f"{prefix}: no text to train on (every document is empty)")
@@ -384,7 +413,12 @@ def train_sentencepiece(texts: Iterable[str], output_prefix: str | os.PathLike, 
         except BaseException as e:
             failure.append(e)
             raise
+    return stream, failure
 
+
+def _trainer_options(vocab_size: int, model_type: str, character_coverage: float, max_sentence_length: int,
+                     num_threads: int, byte_fallback: bool, extra_options: dict | None, verbose: bool) -> dict:
+    """SentencePieceTrainer's options: the fixed special ids, lossless text, and extra_options on top."""
     options = dict(
         model_type=model_type, vocab_size=vocab_size, character_coverage=character_coverage,
         max_sentence_length=max_sentence_length, num_threads=num_threads, byte_fallback=byte_fallback,
@@ -393,22 +427,17 @@ def train_sentencepiece(texts: Iterable[str], output_prefix: str | os.PathLike, 
         # Lossless text: no NFKC, keep runs of spaces and indentation (code), allow pieces of spaces.
         normalization_rule_name="identity", remove_extra_whitespaces=False,
         allow_whitespace_only_pieces=True,
-        input_sentence_size=0, shuffle_input_sentence=False,  # sampling is done above, reproducibly
+        input_sentence_size=0, shuffle_input_sentence=False,  # sampling is done by _training_stream, reproducibly
         minloglevel=0 if verbose else 2,
     )
     options.update(extra_options or {})
+    return options
+
+
+def _write_model(prefix: str, model: bytes) -> str:
+    """Check the trained model's special ids, then write `<prefix>.vocab` and `<prefix>.model` atomically."""
     import sentencepiece as spm
 
-    # model_writer returns the model instead of writing <model_prefix>.model: the model records its
-    # model_prefix, so training under a unique temporary prefix would make every model differ.
-    buffer = io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(sentence_iterator=stream(), model_writer=buffer, **options)
-    except RuntimeError as e:
-        if failure:
-            raise failure[0] from None
-        raise _training_error(prefix, vocab_size, e) from None
-    model = buffer.getvalue()
     sp = spm.SentencePieceProcessor(model_proto=model)
     pieces = [sp.id_to_piece(i) for i in range(PREDICT_ID + 1)]
     if pieces != [*SPECIAL_PIECES.values(), PREDICT_PIECE]:  # the ids the models rely on
