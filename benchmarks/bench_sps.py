@@ -193,7 +193,7 @@ def profile(what: str, run: dict) -> None:
 # -- decode ---------------------------------------------------------------------------------------------
 def decode(model, spec, prompt, n: int) -> tuple[float, float]:
     """(prefill seconds, one-token steps per second x batch), greedy, internal tokens never chosen."""
-    never = sorted(spec.internal_tokens(model.cfg).values()) if spec.internal_tokens else []
+    never = sorted(spec.internal_tokens(model.cfg).values())
     never = torch.tensor(never, dtype=torch.long)
     with torch.no_grad():
         t0 = time.perf_counter()

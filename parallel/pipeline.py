@@ -1,8 +1,9 @@
 """Pipeline parallelism: a model cut into stages, one per pipeline rank, run by megatron-core's 1F1B
 schedule over the pipeline group.
 
-The model says how it cuts (pretrain/models/registry.py's `pipeline_split` and the model's
-`pipeline_units`, `run_stage` and `keep_stage`); this module knows nothing of what a unit is:
+The model says how it cuts (pretrain/models/registry.py's `pipeline_split` over the model's units, and
+`pipeline_units`, `run_stage` and `keep_stage` from pretrain/models/units.py's driver); this module
+knows nothing of what a unit is:
     chunks = Stage.chunks(boundaries, v)    # this rank's stages: units [lo, hi), first/last each
     model.keep_stage(units, first, last)    # what other ranks run is dropped; names stay single-device
     engine = PipelineEngine(model, optimizer, settings, chunks)

@@ -13,126 +13,9 @@ import traceback
 
 from data_tools.storage import EXIT_STORAGE, StorageError
 
+from pretrain.cli_help import (_EXPORT_HELP, _IMPORT_HELP, _INFERENCE_OVERRIDES, _INFO_HELP, _PLAN_HELP, _RUN_PATHS,
+                               _TRAIN_HELP)
 from pretrain.preemption import EXIT_REQUEUE, StopRequested
-
-_INFO_HELP = """examples:
-  pretrain info baseline/xs
-  pretrain info configs/baseline/tiny.yaml model.n_layers=8 --json
-
-Parameters are counted on the meta device (nothing is allocated): shared (tied) tensors count once;
-the token embedding and an untied output head count as embedding.
-flops_per_token is training FLOPs per token at data.seq_len T from the architecture's own formula
-(printed with it; for an architecture whose work is drawn per step, the expected value)."""
-
-_PLAN_HELP = """examples:
-  pretrain plan sps/xl --gpus 64                          # the fastest layout of 64 H100s that fits
-  pretrain plan baseline/xl --gpus 256 --gpu a100 --gpu-memory 40
-  pretrain plan sps/l --dry-run --layout tp=4,pp=2,dp=8   # build and shape-check one layout, no GPU
-
---dry-run: each pipeline stage is built as one of its ranks would build it (tensor-parallel shards,
-its units), on the meta device and torch's fake process group, and one micro batch's forward and
-backward run on meta tensors: a layout whose shapes do not fit fails here, in seconds.
-
-Bytes per rank (fp32 parameters, AdamW), by parallel.data_parallel:
-  ddp / megatron:           weights 4n, gradients 4n, optimizer 8n + 4k   (k tensors: AdamW's step)
-  megatron distributed opt: weights 4n, gradients 4n, optimizer 8n/dp
-  ZeRO-1 / 2 / 3:           optimizer 12n/dp; ZeRO-2 also gradients 4n/dp; ZeRO-3 also weights 4n/dp
-with n the rank's parameters (1/tp of a split matrix, its stage's units). Activations: the
-architecture's activation_bytes (per micro batch at its recompute policy) x the stage's share of the
-units / tp x the micro batches 1F1B keeps in flight on it (pp - stage; interleaved with v stages per rank:
-((pp - stage - 1) x 2 + (v - 1) x pp + 1) / v, megatron's warm-up), halved under bf16; 2 GiB reserved.
-
---gpus N: every tp (dividing the GPUs, at most a node's 8) x pp x dp layout, engine, recompute policy
-and micro batch the config validates under, with (F the architecture's FLOPs per token, M micro
-batches per step and stage, b T d a micro batch's activations):
-  compute = (F - Fs + Fs / kappa) x tokens per step / GPUs / (peak x eta), x 4/3 with recompute;
-            eta = eta_max x w / (w + 256), w = d / tp (eta_max per GPU, calibrated: docs/planner.md);
-            + M x S/pp x 2 passes (3 with recompute) x step_s for an architecture whose registry
-            serial_loop runs S dependent position steps per micro batch holding Fs FLOPs per token
-            (RT, GPN); step_s ~ 55 us and kappa ~ 0.23 are fitted to RT's published layer latencies
-  bubble  = compute x (pp - 1) / (v M), v = parallel.virtual_stages (tried as 1 and, where the split and
-            M allow it, 2: the vp column)
-  tp comm = M x L/pp x 4 all-reduces (6 with recompute) of b T d bf16, ring 2 (tp-1)/tp, NVLink
-  pp comm = v x M x 2 sends of b T d bf16 per stage (NVLink in a node, else the network)
-  dp comm = 2 (dp-1)/dp x 4n bytes (NVLink when tp x dp fit a node, else the network; x2 for ZeRO-3),
-            half hidden behind the backward, none under pipeline stages
-  MFU     = F x tokens/s per GPU / peak
-The table lists the candidates, fastest first among those that fit, and proposes the first."""
-
-_RUN_PATHS = """A run's paths are stored absolute; one that no longer exists is looked up at the same place
-relative to the run directory (a run moved together with its data works), and the tokenizer falls
-back to the run's own copy. A corrupt checkpoint (a file failing its checksum) is named; with a run
-directory the previous checkpoint is used instead, with a line saying so."""
-
-_TRAIN_HELP = """examples:
-  pretrain train baseline/tiny                                   # a shipped config, by short name
-  pretrain train configs/baseline/tiny.yaml optim.lr=1e-3 train.max_steps=500
-  pretrain train baseline/xs data.train=[data/web_text_document] train.name=xs-web
-  pretrain train runs/xs-web train.max_steps=20000               # resume a run directory, from anywhere
-  pretrain train baseline/xs checkpoint.init_from=runs/xs-web train.name=xs-ft optim.lr=1e-4   # fine-tune
-
-Overrides are dotted `section.key=value` (sections: model, parallel, data, optim, schedule, train,
-checkpoint, log); an unknown key or a wrong type is an error. The run directory (train.run_dir,
-default runs/<train.name>) receives config.yaml, metrics.jsonl, the tokenizer and checkpoints/; a
-run started again with the same run directory resumes from its latest checkpoint
-(checkpoint.resume=false starts over). Given a run directory as CONFIG, its stored config is used
-and the run resumes where it is, even after being moved.
-
-checkpoint.init_from=PATH (a run directory: its latest verified checkpoint; or a checkpoint
-directory) starts a run that has no checkpoint of its own from those model weights, with a fresh
-optimizer, step 0 and a fresh data order. Another model.arch is converted by the run's architecture
-(its registry `convert`; without one it is refused). Shapes and the conversion are checked before
-any work; once the run has its own checkpoint, it resumes that and init_from is not read.
-
-Ctrl-C finishes the current step on every rank, writes a checkpoint and exits (130); a second
-Ctrl-C stops at once, keeping the latest checkpoint. train.stop_signals (default SIGTERM, SIGUSR1:
-what Slurm sends before a time limit or a preemption) do the same and exit 75 for a requeue.
-
-A step whose loss or grad norm is not finite stops the run (train.nan_policy=stop) or is skipped
-without touching the optimizer (train.nan_policy=skip); more than train.max_bad_steps (default 5)
-skips in a row stop it, naming the steps and their data. train.skip_outlier_z=Z (> 0; default null = off)
-also skips a loss or grad norm more than Z std above its mean over the last
-train.skip_outlier_window steps.
-
-""" + _RUN_PATHS
-
-
-_INFERENCE_OVERRIDES = ("dotted overrides of the stored config for what may change after training: data.* (e.g. "
-                        "data.valid=[PREFIX], data.tokenizer=PATH), train.eval_batches, train.micro_batch_seqs, "
-                        "checkpoint.verify, model fields that keep every weight's shape, and the runtime settings "
-                        "train.threads, train.device (auto, cpu, cuda; default cpu) and train.compile (default off)")
-
-
-_EXPORT_HELP = """examples:
-  pretrain export runs/xs-web exports/xs-web                    # native folder, any architecture
-  pretrain export runs/xs-web exports/xs-web-hf --format hf     # transformers.LlamaForCausalLM (baseline)
-  pretrain export runs/xs-web/checkpoints/step_00002000 exports/xs-2000 --dtype bfloat16
-
-The folder holds model.safetensors (the single-device model's tensors, by name), config.json (the
-model config and architecture), the tokenizer, generation_config.json and a README.md model card
-(parameters, training tokens, final validation loss, this command). Checkpoints of any layout (TP,
-ZeRO-3, the distributed optimizer, one process) export alike. `pretrain eval` and `pretrain
-generate` take the folder in place of a run; in Python, with torch and safetensors only:
-  from pretrain.export import load_folder; model, spec, cfg, tokenizer = load_folder("exports/xs-web")
-An existing OUT is refused unless --force (it is replaced only once the new folder is complete).
-
-""" + _RUN_PATHS
-
-_IMPORT_HELP = """examples:
-  pretrain import ~/llama-hf runs/llama                         # a local HF Llama folder -> a baseline run
-  pretrain import ~/llama-hf runs/llama-crt --arch crt model.k_max=5 model.k_min=2   # ... -> a CRT
-  pretrain import runs/xs-web runs/xs-crt --arch crt            # a trained baseline run -> a CRT
-then fine-tune in a new run that starts from the imported weights (fresh optimizer, step 0):
-  pretrain train runs/llama train.run_dir=runs/llama-ft checkpoint.init_from=runs/llama data.train=[PREFIX]
-
-SOURCE: a local Hugging Face folder (config.json + model.safetensors or a sharded index; Llama
-only: model_type llama without biases, sliding windows or RoPE scaling), a folder from `pretrain
-export`, or a run or checkpoint directory. Nothing is downloaded. --arch converts through that
-architecture's registry `convert` (CRT: function-preserving, the correction's output layer at zero,
-so the converted model's logits equal the source's for every K until fine-tuning). Overrides set
-any field of OUT_RUN's config (model.* of the target, data.*, train.*, ...). The tokenizer is the
-folder's tokenizer.json or tokenizer.model unless --tokenizer names one; a tokenizer with more
-tokens than the model's vocabulary is refused."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -146,21 +29,33 @@ def _parser() -> argparse.ArgumentParser:
     top = _Parser(prog="pretrain", description="Pretrain recurrent transformer architectures.",
                                   epilog="Run `pretrain VERB --help` for the options and examples of each verb.")
     verbs = top.add_subparsers(dest="verb", metavar="VERB", required=True)
+    # the order verbs are added is the order `pretrain --help` lists them
+    _add_training_verbs(verbs)
+    _add_folder_verbs(verbs)
+    _add_tool_verbs(verbs)
+    return top
 
-    def verb(name, help_, epilog=None):
-        return verbs.add_parser(name, help=help_, description=help_, epilog=epilog,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    t = verb("train", "train a model from a config (resumes a run directory's latest checkpoint)", _TRAIN_HELP)
+def _verb(verbs, name, help_, epilog=None):
+    """One verb's parser: its help doubles as its description; epilogs keep their line breaks."""
+    return verbs.add_parser(name, help=help_, description=help_, epilog=epilog,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _add_training_verbs(verbs) -> None:
+    """train, eval and generate: the verbs that run a model."""
+    t = _verb(verbs, "train", "train a model from a config (resumes a run directory's latest checkpoint)",
+              _TRAIN_HELP)
     t.add_argument("config", help="a YAML file, a shipped config's short name (e.g. baseline/tiny) or a run "
                    "directory to resume")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
 
-    e = verb("eval", "validation loss and perplexity of a checkpoint (and a synthetic task's accuracy per level)",
-             "examples:\n  pretrain eval runs/quickstart --batches 50 --unigram-entropy\n"
-             "  pretrain eval runs/quickstart data.valid=[data/other_text_document]\n"
-             "  pretrain eval runs/pc-tiny          # data.task runs: also 'accuracy L0 ... LH' on held-out sequences\n\n"
-             + _RUN_PATHS)
+    e = _verb(verbs, "eval",
+              "validation loss and perplexity of a checkpoint (and a synthetic task's accuracy per level)",
+              "examples:\n  pretrain eval runs/quickstart --batches 50 --unigram-entropy\n"
+              "  pretrain eval runs/quickstart data.valid=[data/other_text_document]\n"
+              "  pretrain eval runs/pc-tiny          # data.task runs: also 'accuracy L0 ... LH' on held-out sequences\n\n"
+              + _RUN_PATHS)
     e.add_argument("path", help="a run directory (its latest checkpoint), a checkpoint directory or an exported folder")
     e.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     e.add_argument("--batches", type=int, default=0, help="micro batches to evaluate, >= 1 (default: "
@@ -174,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                    "every value is checked before the first evaluation")
     e.add_argument("--json", action="store_true", help="print one JSON object (a list of them with --sweep)")
 
-    g = verb("generate", "sample text from a checkpoint with a KV cache",
-             "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40\n\n"
-             + _RUN_PATHS)
+    g = _verb(verbs, "generate", "sample text from a checkpoint with a KV cache",
+              "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40\n\n"
+              + _RUN_PATHS)
     g.add_argument("path", help="a run directory (its latest checkpoint), a checkpoint directory or an exported folder")
     g.add_argument("overrides", nargs="*", help=_INFERENCE_OVERRIDES)
     g.add_argument("--prompt", default="", help="text to continue (default: the beginning of a document)")
@@ -191,8 +86,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=1, help=">= 1: continuations of the same prompt, each "
                    "printed after a '--- sample K' line when more than one (default 1)")
 
-    x = verb("export", "write a checkpoint as a self-contained folder (safetensors, config, tokenizer, "
-             "model card), natively or for Hugging Face transformers", _EXPORT_HELP)
+
+def _add_folder_verbs(verbs) -> None:
+    """export and import: a checkpoint to a self-contained folder and back."""
+    x = _verb(verbs, "export", "write a checkpoint as a self-contained folder (safetensors, config, tokenizer, "
+              "model card), natively or for Hugging Face transformers", _EXPORT_HELP)
     x.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="a run directory (its latest checkpoint) or a "
                    "checkpoint directory")
     x.add_argument("out", metavar="OUT", help="the folder to write")
@@ -203,8 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--tokenizer", default="", help="the tokenizer to ship (default: the run's)")
     x.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
-    m = verb("import", "turn a Hugging Face Llama folder, an exported folder or a run into a run directory to "
-             "fine-tune (optionally converted into another architecture)", _IMPORT_HELP)
+    m = _verb(verbs, "import", "turn a Hugging Face Llama folder, an exported folder or a run into a run "
+              "directory to fine-tune (optionally converted into another architecture)", _IMPORT_HELP)
     m.add_argument("source", metavar="SOURCE", help="an HF folder, an exported folder, or a run/checkpoint directory")
     m.add_argument("out", metavar="OUT_RUN", help="the run directory to write")
     m.add_argument("overrides", nargs="*", help="dotted overrides of OUT_RUN's config, e.g. model.k_max=5")
@@ -212,22 +110,25 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--tokenizer", default="", help="the tokenizer file (default: the source's)")
     m.add_argument("--force", action="store_true", help="replace OUT_RUN if it exists")
 
-    p = verb("plot", "plot the loss curves of one or more runs to a PNG",
-             "example:\n  pretrain plot runs/a runs/b --output loss.png")
+
+def _add_tool_verbs(verbs) -> None:
+    """plot, plan and info: loss curves, parallel layouts and sizes, without training."""
+    p = _verb(verbs, "plot", "plot the loss curves of one or more runs to a PNG",
+              "example:\n  pretrain plot runs/a runs/b --output loss.png")
     p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
     p.add_argument("--output", default="loss.png", help="the image to write: .png, .pdf or .svg, in an existing "
                    "folder (default loss.png)")
     p.add_argument("--x", choices=("step", "tokens"), default="step",
                    help="the x axis: optimizer steps or tokens seen (default step)")
 
-    pl = verb("plan", "check a large parallel layout without its GPUs: build every pipeline stage on the meta "
-              "device and report what each rank holds", _PLAN_HELP)
+    pl = _verb(verbs, "plan", "check a large parallel layout without its GPUs: build every pipeline stage on "
+               "the meta device and report what each rank holds", _PLAN_HELP)
     pl.add_argument("config", help="a YAML file, a shipped config's short name (e.g. sps/l) or a run directory")
     pl.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.micro_batch_seqs=2")
     pl.add_argument("--dry-run", action="store_true", help="build and shape-check the layout given by --layout on "
                     "torch's fake process group (no GPU, no memory)")
     pl.add_argument("--layout", default="", metavar="tp=T,pp=P,dp=D", help="the layout to dry-run, each size >= 1 "
-                    "(sizes left out are 1), e.g. tp=4,pp=2,dp=8 for 64 GPUs")
+                    "(sizes left out are 1; no --layout: one rank), e.g. tp=4,pp=2,dp=8 for 64 GPUs")
     pl.add_argument("--json", action="store_true", help="print one JSON object per stage, a line each (--dry-run)")
     pl.add_argument("--gpus", type=int, default=0, help="plan for this many GPUs (>= 1): every layout the config "
                     "allows, its memory per GPU and predicted step time, and the fastest that fits")
@@ -235,14 +136,14 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpu-memory", type=float, default=0.0, metavar="GIB",
                     help="memory per GPU in GiB, > 0 (default: the GPU's: 80, 80, 141)")
 
-    i = verb("info", "parameter counts and FLOPs per token of a config, without allocating it", _INFO_HELP)
+    i = _verb(verbs, "info", "parameter counts and FLOPs per token of a config, without allocating it",
+              _INFO_HELP)
     i.add_argument("config", nargs="?", default="", help="a YAML file, a shipped config's short name (e.g. "
                    "gpn/tiny) or a run directory")
     i.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layers=8")
     i.add_argument("--json", action="store_true", help="print params_total, params_embedding, "
                    "params_non_embedding and flops_per_token as JSON")
     i.add_argument("--list", action="store_true", help="list the shipped configs by short name, one per line")
-    return top
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,11 +222,11 @@ def _info(args) -> int:
     out = {"params_total": counts["total"], "params_embedding": counts["embedding"],
            "params_non_embedding": counts["non_embedding"], "flops_per_token": flops,
            "flops_formula": spec.flops_formula}
-    formula = spec.formula_params(cfg.model) if spec.formula_params else None
+    formula = spec.formula_params(cfg.model)
     if formula is not None:
         out["params_paper_formula"] = formula
-    if spec.info:
-        out["info"] = spec.info(cfg.model)
+    if lines := spec.info(cfg.model):
+        out["info"] = lines
     if args.json:
         print(json.dumps(out))
     else:
@@ -336,7 +237,7 @@ def _info(args) -> int:
               f"token at T={cfg.data.seq_len}; {flops * cfg.tokens_per_step / 1e12:,.1f} TFLOP per step")
         if cfg.model.paper_params:
             print(f"the paper gives {cfg.model.paper_params:,} for this configuration")
-        for line in spec.info(cfg.model) if spec.info else ():
+        for line in spec.info(cfg.model):
             print(line)
         policies = spec.recompute_policies()
         if policies:  # a policy that configures the model's own recomputation says so
@@ -433,7 +334,7 @@ def _eval(args) -> int:
         return 0
     print(f"val loss {result['val_loss']:.4f} nats/token, perplexity {result['val_ppl']:.2f} "
           f"({result['val_tokens']:,} tokens)")
-    for line in spec.inference_settings(cfg.model, cfg.data.seq_len) if spec.inference_settings else ():
+    for line in spec.inference_settings(cfg.model, cfg.data.seq_len):
         print(line)
     diagnostics = {k[4:]: v for k, v in result.items() if k.startswith("val_") and k[4:] not in (
         "loss", "ppl", "tokens") and not k.startswith("val_acc")}

@@ -37,7 +37,7 @@ def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature:
     tokens = torch.tensor(prompt, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     # ids the architecture uses internally (SPS's <predict>) and padding are never sampled (spec-001 §2.6)
-    never = set(spec.internal_tokens(model.cfg).values()) if spec.internal_tokens else set()
+    never = set(spec.internal_tokens(model.cfg).values())
     if pad_id is not None and pad_id != eos_id:
         never.add(pad_id)
     never = sorted(never)

@@ -62,7 +62,7 @@ def resolve(cfg) -> Source:
     spec = get_arch(cfg.model.arch)
     convert = None
     if source.arch != cfg.model.arch:
-        if spec.convert is None:
+        if not spec.converts:
             raise ConfigError(f"{name} holds model.arch {source.arch!r}, and model.arch {cfg.model.arch!r} has no "
                               "conversion from another architecture (no `convert` in its registry entry)")
         convert = spec.convert

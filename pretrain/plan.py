@@ -104,10 +104,10 @@ def dry_run(cfg, tp: int, pp: int, dp: int, shapes: bool = True) -> list[StageRe
             params = {id(p): p for p in model.parameters()}
             n = sum(p.numel() for p in params.values())
             act = None
-            if spec.activation_bytes is not None:
+            whole = spec.activation_bytes(cfg.model, T, mb, cfg.parallel.recompute)
+            if whole is not None:
                 units = stage.hi - stage.lo
-                act = spec.activation_bytes(cfg.model, T, mb, cfg.parallel.recompute) * units // \
-                    model.pipeline_units() * in_flight(pp, s, micro_batches) // max(1, lay.tp)
+                act = whole * units // model.pipeline_units() * in_flight(pp, s, micro_batches) // max(1, lay.tp)
             reports.append(StageReport(s, (stage.lo, stage.hi), n, len(params), tuple(out.shape), act))
             reports[-1].act_fraction = (stage.hi - stage.lo) / model.pipeline_units()
             h = None if stage.last else torch.empty(out.shape, device="meta")
@@ -247,15 +247,15 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
     T, tp, pp, policy = cfg.data.seq_len, parallel.tp, parallel.pp, parallel.recompute
     M = cfg.train.global_batch_seqs // (mb * dp)
     bf16 = cfg.train.precision in ("auto", "bf16")  # on GPUs: activations in bf16, the logits in fp32 (about half)
-    worst, known = 0, spec.activation_bytes is not None
+    whole = spec.activation_bytes(cfg.model, T, mb, policy)
+    worst, known = 0, whole is not None
     for r in stages:
         act = 0.0
         if known:
-            act = spec.activation_bytes(cfg.model, T, mb, policy) * r.act_fraction / tp
+            act = whole * r.act_fraction / tp
             act *= in_flight(pp, r.stage, M, parallel.virtual_stages) * (0.5 if bf16 else 1.0)
         worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
-    serial = spec.serial_loop(cfg.model, T) if spec.serial_loop else None
-    steps, serial_flops = serial or (0, 0.0)
+    steps, serial_flops = spec.serial_loop(cfg.model, T) or (0, 0.0)
     width, layers = spec.plan_shape(cfg.model)
     est = step_time(hw, flops_per_token=flops, tokens_per_step=cfg.tokens_per_step, gpus=gpus,
                     d_model=width, layers=layers, tp=tp, pp=pp, dp=dp,

@@ -294,7 +294,7 @@ class RunConfig:
             if self.data.task:
                 raise ConfigError(f"data.task={self.data.task} with parallel.pp={self.parallel.pp} is not supported "
                                   "(a task's accuracy reads logits, which only the last stage has)")
-        for name, size in spec.tp_dims(self.model).items() if spec.tp_dims else ():
+        for name, size in spec.tp_dims(self.model).items():
             if size % self.parallel.tp:
                 raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide {name} = {size}")
         par = self.parallel

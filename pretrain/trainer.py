@@ -224,8 +224,8 @@ class Trainer:
         self.spec = get_arch(cfg.model.arch)
         self.run_dir = t.run_dir
         check_vocab(cfg.data.train + cfg.data.valid, cfg.model.vocab_size)
-        if self.spec.internal_tokens:
-            check_internal_tokens(cfg.data.train + cfg.data.valid, self.spec.internal_tokens(cfg.model))
+        if internal := self.spec.internal_tokens(cfg.model):
+            check_internal_tokens(cfg.data.train + cfg.data.valid, internal)
 
         def build():
             torch.manual_seed(t.seed)

@@ -294,6 +294,27 @@ def test_chunked_memory_reads_equal_the_recurrence(chunk, fast):
     torch.testing.assert_close(o2, o, rtol=0, atol=0)
 
 
+def test_the_time_loop_runs_the_memory_through_the_kernel_registry():
+    """The model's step calls the registered ops (the kernels line names them, and a fused kernel registers as a
+    path): the write-and-first-read op equals write then read, and every read of a two-layer model goes through
+    delta_memory_read."""
+    from kernels import registry
+    from kernels.delta_memory import memory_read, memory_step
+
+    q, k, v, beta, alpha = _memory_inputs(B=2, T=1, H=3, dk=5, dv=4)
+    M0 = torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    M, o = memory_step(M0, k[:, 0], v[:, 0], beta[:, 0], alpha[:, 0], q[:, 0])
+    want = reference.write(M0, k[:, 0], v[:, 0], beta[:, 0], alpha[:, 0])
+    assert torch.equal(M, want) and torch.equal(o, reference.read(want, q[:, 0]))
+    assert torch.equal(memory_read(M, q[:, 0]), o)
+    model = model_of(n_layers=2)
+    registry.reset_paths_used()
+    with torch.no_grad():
+        model.logits(torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(1)))
+    used = registry.paths_used()
+    assert used["delta_memory_step"] == ["reference"] and used["delta_memory_read"] == ["reference"]
+
+
 # -- T7: truncated BPTT ----------------------------------------------------------------------------------
 def test_truncated_bptt_semantics():
     """The loss equals full BPTT's; a later truncation window's loss sends no gradient to the tokens of

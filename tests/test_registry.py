@@ -67,7 +67,7 @@ def test_registration_rules():
     from pretrain.models.base import ModelConfig
 
     assert all(issubclass(s.config_cls, ModelConfig) for s in all_archs())
-    base = dict(build=None, flops_per_token=None, new_state=None, step=None, logits=None)
+    base = dict(build=None, flops_per_token=None)
     with pytest.raises(TypeError, match="must derive from pretrain.models.base.ModelConfig"):
         register(ArchSpec(name="test_bad", config_cls=dict, **base))
     with pytest.raises(ValueError, match="refuses tp, zero without a reason"):

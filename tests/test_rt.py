@@ -392,3 +392,56 @@ def test_the_triton_path_runs_the_schedule_and_backward_like_the_tiled_one(N, le
     torch.testing.assert_close(z.double(), want_z, rtol=1e-4, atol=1e-5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def _decoded(model, tokens) -> torch.Tensor:
+    """Logits of a chunked prefill (5 tokens) then one token at a time."""
+    state = model.new_state(tokens.shape[0])
+    pieces = [model.step(tokens[:, :5], state)[0]]
+    pieces += [model.step(tokens[:, t:t + 1], state)[0] for t in range(5, tokens.shape[1])]
+    return torch.cat(pieces, 1)
+
+
+def test_decode_runs_through_the_rt_decode_op_and_its_triton_path_decodes_alike():
+    """Decode goes through the kernel registry ("rt_decode": the tile schedule after the cached prefix), so the
+    kernels line names it and a faster path slots in: the Triton tile, forced, gives the tiled path's logits."""
+    from kernels.rt_prefill import DECODE
+
+    model = model_of(torch.float32).eval()
+    tokens = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(5))
+    registry.reset_paths_used()
+    with torch.no_grad():
+        want = _decoded(model, tokens)
+    assert registry.paths_used()["rt_decode"] == ["tiled"]
+    _interpreted_triton()
+    DECODE.force("triton")
+    try:
+        registry.reset_paths_used()
+        with torch.no_grad():
+            got = _decoded(model, tokens)
+        assert registry.paths_used()["rt_decode"] == ["triton"]
+    finally:
+        DECODE.force(None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rt_layers_are_static_regions_that_a_capture_hook_runs_in_their_place():
+    """The seam for CUDA-graph capture (units.Run.capture): the driver hands each RT layer, a static-shape
+    position loop, to the hook instead of running it; a Transformer row is not a static region."""
+    from pretrain.models.units import Run
+
+    model = model_of(torch.float64)
+    tokens = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(9).expand(2, 9)
+    seen = []
+
+    def capture(unit, h, run):
+        seen.append(unit)
+        return unit.apply(h, run)
+
+    with torch.no_grad():
+        x, a = model.inputs(tokens, positions, None)
+        want = model.apply_units(model.embed(x), Run(a))
+        got = model.apply_units(model.embed(x), Run(a, capture=capture))
+    assert torch.equal(got, want) and len(seen) == 2 and all(u.static for u in model.units())
+    assert not any(u.static for u in model_of(torch.float64, recurrent=False).units())

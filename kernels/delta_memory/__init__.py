@@ -4,9 +4,11 @@
 
 Paths (kernels/registry.py):
     "chunked"    chunk steps per triangular solve (chunked.py), picked when chunk > 0
-    "reference"  step by step (reference.py): the definition, and what the model's time loop uses
-                 (reference.write / reference.read), because its inputs depend on the state
-A Triton path of the fused write-and-read for the GPU registers here later, tested against both.
+    "reference"  step by step (reference.py): the definition
+The model's time loop cannot use either (its q, k, v, beta, alpha depend on the state): it calls the ops
+"delta_memory_step" (one write and the first read) and "delta_memory_read" (a later read), whose
+"reference" paths are reference.step / reference.read; the chunked form stays a tested identity for
+fixed inputs. A fused GPU kernel of the step registers as a path of "delta_memory_step".
 """
 from __future__ import annotations
 
@@ -23,4 +25,21 @@ def delta_memory(q, k, v, beta, alpha, M0=None, chunk: int = 0):
     return OP(q, k, v, beta, alpha, M0, chunk=chunk)
 
 
-__all__ = ["OP", "chunked", "delta_memory", "reference"]
+# The model's time loop, whose inputs depend on the state, one step at a time:
+#     memory_step(M, k, v, beta, alpha, q) -> (M_t, M_t^T q)   the write, then the first read
+#     memory_read(M, q) -> M^T q                                 a later predict sub-layer's read
+STEP = registry.op("delta_memory_step")
+STEP.register("reference", reference.step)
+READ = registry.op("delta_memory_read")
+READ.register("reference", reference.read)
+
+
+def memory_step(M, k, v, beta, alpha, q):
+    return STEP(M, k, v, beta, alpha, q)
+
+
+def memory_read(M, q):
+    return READ(M, q)
+
+
+__all__ = ["OP", "READ", "STEP", "chunked", "delta_memory", "memory_read", "memory_step", "reference"]

@@ -27,6 +27,12 @@ def read(M: Tensor, q: Tensor) -> Tensor:
     return torch.bmm(q.reshape(B * H, 1, dk), M.reshape(B * H, dk, dv)).view(B, H, dv)
 
 
+def step(M: Tensor, k: Tensor, v: Tensor, beta: Tensor, alpha: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """One step of the model's loop: write, then read the new memory with q [B, H, d_k]."""
+    M = write(M, k, v, beta, alpha)
+    return M, read(M, q)
+
+
 def recurrence(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, alpha: Tensor, M0: Tensor | None = None,
                chunk: int = 0) -> tuple[Tensor, Tensor]:
     """For inputs fixed over time ([B, T, H, ...]; beta, alpha [B, T, H]): every read o_t = M_t^T q_t

@@ -12,6 +12,8 @@ values), `offset` the position of x's first token. Paths (kernels/registry.py):
               kernels (triton_tile.py): CUDA, or a CPU under TRITON_INTERPRET=1 (the tests); only when
               forced (PRETRAIN_KERNELS=rt_prefill=triton) until it has been measured on a GPU
               (benchmarks/bench_attention.py --rt)
+`rt_decode` (op "rt_decode") is the same schedule after a prefix of cached keys (streaming decode):
+paths "tiled" and, forced only, "triton".
 """
 from __future__ import annotations
 
@@ -44,4 +46,24 @@ def rt_prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:
     return OP(x, layer, leaf, offset)
 
 
-__all__ = ["OP", "reference", "rt_prefill", "schedule", "tiled"]
+# Decode: the same schedule after a prefix of cached persistent pairs, returning the new pairs to cache.
+#     rt_decode(x, layer, leaf, offset, prefix=(K0, V0)) -> (z, K, V) for x at positions offset..
+DECODE = registry.op("rt_decode")
+DECODE.register("tiled", lambda x, layer, leaf, offset, prefix: tiled.forward(x, layer, leaf, offset, prefix)[:3],
+                priority=10)
+
+
+def _triton_decode(x: Tensor, layer, leaf: int, offset: int, prefix) -> tuple[Tensor, Tensor, Tensor]:
+    from kernels.rt_prefill import triton_tile
+
+    return tiled.forward(x, layer, leaf, offset, prefix, ops=triton_tile.OPS)[:3]
+
+
+DECODE.register("triton", _triton_decode, lambda x, layer, *rest: _triton_capable(x, layer), priority=20, auto=False)
+
+
+def rt_decode(x: Tensor, layer, leaf: int, offset: int, prefix: tuple[Tensor, Tensor]):
+    return DECODE(x, layer, leaf, offset, prefix)
+
+
+__all__ = ["DECODE", "OP", "reference", "rt_decode", "rt_prefill", "schedule", "tiled"]

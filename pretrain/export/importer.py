@@ -35,7 +35,7 @@ class Imported:
 def _hf_adapter(hf: dict, path: str):
     from pretrain.models import all_archs
 
-    adapters = {s.hf.model_type: s for s in all_archs() if s.hf is not None}
+    adapters = {s.hf.model_type: s for s in all_archs() if s.hf.model_type}
     spec = adapters.get(hf.get("model_type"))
     if spec is None:
         window = " (its sliding-window attention included)" if hf.get("sliding_window") else ""
@@ -155,7 +155,7 @@ def target_model_fields(source, arch: str) -> dict:
     spec = get_arch(arch)
     shared = {f.name for f in fields(spec.config_cls)} - _NOT_CARRIED
     values = {name: getattr(source.model, name) for name in shared if hasattr(source.model, name)}
-    if arch != source.arch and spec.convert_fields is not None:
+    if arch != source.arch:
         values.update(spec.convert_fields(source.arch, source.model))
     return {"arch": arch, **values}
 
@@ -179,7 +179,7 @@ def import_run(source: str, out: str, arch: str = "", overrides=(), force: bool 
     src = read_source(source, tokenizer, log)
     arch = arch or src.arch
     spec = get_arch(arch)
-    if arch != src.arch and spec.convert is None:
+    if arch != src.arch and not spec.converts:
         raise ValueError(f"--arch {arch}: model.arch {arch!r} has no conversion from {src.arch!r} (no `convert` in "
                          "its registry entry)")
     out_abs = os.path.abspath(out)

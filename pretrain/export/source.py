@@ -41,9 +41,7 @@ def read_checkpoint(path: str, log=print) -> Checkpointed:
         return ckpt, saved, stored_config(ckpt, log=lambda _: None)
 
     ckpt, saved, (meta, cfg, run_dir) = read_with_fallback(path, read, log)
-    upgrade = get_arch(cfg.model.arch).upgrade_state
-    if upgrade is not None:
-        saved.state = upgrade(saved.state, cfg.model)
+    saved.state = get_arch(cfg.model.arch).upgrade_state(saved.state, cfg.model)
     shapes = weight_shapes(cfg.model)
     for name, shape in shapes.items():
         got = tuple(saved.state[name].shape) if name in saved.state else None

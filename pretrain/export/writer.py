@@ -78,11 +78,9 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
     progress(tensors written, tensors), when given, is called as the weights are written."""
     import torch
 
-    from pretrain.checkpoint import checkpoint_to_read
     from pretrain.export.source import atomic_folder, check_output, read_checkpoint, tied_aliases
     from pretrain.export.tensorfile import write_safetensors
-    from pretrain.models import count_parameters, get_arch, meta_model
-    from pretrain.runs import stored_config
+    from pretrain.models import count_parameters, meta_model
 
     if fmt not in ("native", "hf"):
         raise ValueError(f"--format {fmt!r} is not one of native, hf")
@@ -90,25 +88,62 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_output(out, force, source)
     t0 = time.perf_counter()
-    # What can be refused from the stored config is refused before the (long) read of the weights.
+    arch, spec, tok_path, tok = _check_source(source, fmt, tokenizer)
+    ck = read_checkpoint(source, log)
+    cfg = ck.cfg
+    meta_copy = meta_model(cfg.model)  # names, tied tensors and parameter counts
+    aliases = tied_aliases(meta_copy)
+    specs, tensor_of = _tensor_plan(ck, aliases, fmt, spec, dtype)
+    counts = count_parameters(meta_copy)
+    metrics = _final_metrics(ck.run_dir, int(ck.meta["step"]))
+    metrics.setdefault("tokens", int(ck.meta["step"]) * cfg.tokens_per_step)
+    kinds = sorted({str(d).removeprefix("torch.") for _, d in specs.values()})
+    dtype_name = kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds)
+    needed = sum(math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in specs.values())
+    operation = f"exporting {source} to {out}"
+    check_space(operation, out, needed)  # before anything is written
+    with storage_operation(operation, out, needed), atomic_folder(out, force, source) as tmp:  # partial files removed
+        if progress is not None:
+            tensor_of = _counted(tensor_of, progress, len(specs))
+        size = write_safetensors(os.path.join(tmp, WEIGHTS_FILE), specs, tensor_of, {"format": "pt"})
+        tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
+        if fmt == "hf":
+            _write_json(os.path.join(tmp, CONFIG_FILE), spec.hf.hf_config(cfg.model, dtype_name, tok))
+            _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(tok, SAMPLING))
+        else:
+            _write_native_configs(tmp, ck, arch, dtype_name, tok, tok_files, aliases, counts, metrics)
+        with open(os.path.join(tmp, CARD_FILE), "w") as f:
+            f.write(model_card(cfg, counts, ck, metrics, fmt, dtype_name, tok_files, command or
+                               f"pretrain export {source} {out}" + (" --format hf" if fmt == "hf" else "")))
+    return {"out": out, "format": fmt, "arch": arch, "step": int(ck.meta["step"]), "checkpoint": ck.checkpoint,
+            "bytes": size, "params": counts["total"], "dtype": dtype_name, "seconds": time.perf_counter() - t0}
+
+
+def _check_source(source: str, fmt: str, tokenizer: str):
+    """Refuse from the stored config, before the (long) read of the weights, what can be refused there;
+    returns (arch, its registry spec, tokenizer file, Tokenizer)."""
+    from pretrain.checkpoint import checkpoint_to_read
+    from pretrain.models import get_arch
+    from pretrain.runs import stored_config
+
     _, peek, _ = stored_config(checkpoint_to_read(source)[0], log=lambda _: None)
     arch = peek.model.arch
     spec = get_arch(arch)
     if spec.export_refusal:
         raise ValueError(f"model.arch {arch!r} cannot be exported: {spec.export_refusal}")
     if fmt == "hf":
-        if spec.hf is None:
-            raise ValueError(f"--format hf: model.arch {arch!r} has no Hugging Face counterpart (its registry entry "
-                             "names no `hf` adapter); export it in the native format")
-        spec.hf.check_export(peek.model)
+        spec.hf.check_export(peek.model)  # the default adapter (registry.NoHF) refuses in one sentence
     tok_path, tok = _tokenizer(peek, tokenizer)
     if tok is not None and tok.vocab_size > peek.model.vocab_size:
         raise ValueError(f"the tokenizer {tok_path} has {tok.vocab_size} tokens, more than model.vocab_size "
                          f"{peek.model.vocab_size}")
-    ck = read_checkpoint(source, log)
-    cfg = ck.cfg
-    meta_copy = meta_model(cfg.model)  # names, tied tensors and parameter counts
-    aliases = tied_aliases(meta_copy)
+    return arch, spec, tok_path, tok
+
+
+def _tensor_plan(ck, aliases: dict, fmt: str, spec, dtype: str):
+    """({name: (shape, dtype)} of the tensors the folder holds, tensor_of(name) producing each in that dtype)."""
+    import torch
+
     first = {name: t for name, t in ck.state.items() if name not in aliases}
     target = getattr(torch, dtype) if dtype else None  # None: every tensor keeps its own dtype
 
@@ -119,7 +154,7 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         return target if target is not None and t.is_floating_point() else t.dtype
 
     if fmt == "hf":
-        producers = spec.hf.weights_to_hf(cfg.model, ck.state)  # {hf name: (shape, () -> tensor)}
+        producers = spec.hf.weights_to_hf(ck.cfg.model, ck.state)  # {hf name: (shape, () -> tensor)}
         # one dtype for the whole HF folder (its config.json names one): the weights' own, or --dtype
         weights_dtype = dtype_of(next(t for t in ck.state.values() if t.is_floating_point()))
         specs = {name: (shape, weights_dtype) for name, (shape, _) in producers.items()}
@@ -132,47 +167,37 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
 
         def tensor_of(name):
             return cast(first[name])
+    return specs, tensor_of
 
-    counts = count_parameters(meta_copy)
-    metrics = _final_metrics(ck.run_dir, int(ck.meta["step"]))
-    metrics.setdefault("tokens", int(ck.meta["step"]) * cfg.tokens_per_step)
-    kinds = sorted({str(d).removeprefix("torch.") for _, d in specs.values()})
-    dtype_name = kinds[0] if len(kinds) == 1 else "mixed: " + ", ".join(kinds)
-    needed = sum(math.prod(shape) * torch.empty((), dtype=d).element_size() for shape, d in specs.values())
-    operation = f"exporting {source} to {out}"
-    check_space(operation, out, needed)  # before anything is written
-    with storage_operation(operation, out, needed), atomic_folder(out, force, source) as tmp:  # partial files removed
-        if progress is not None:
-            produce, written = tensor_of, [0]
 
-            def tensor_of(name):  # noqa: F811  (the same tensors, counted)
-                written[0] += 1
-                progress(written[0], len(specs))
-                return produce(name)
-        size = write_safetensors(os.path.join(tmp, WEIGHTS_FILE), specs, tensor_of, {"format": "pt"})
-        tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
-        if fmt == "hf":
-            _write_json(os.path.join(tmp, CONFIG_FILE), spec.hf.hf_config(cfg.model, dtype_name, tok))
-            _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(tok, SAMPLING))
-        else:
-            from data_tools.files import file_checksum
+def _counted(tensor_of, progress, total: int):
+    """tensor_of that calls progress(tensors written, total) before producing each tensor."""
+    written = [0]
 
-            training = {"config": cfg.to_dict(), "checkpoint": os.path.abspath(ck.checkpoint),
-                        "step": int(ck.meta["step"]), **metrics}
-            _write_json(os.path.join(tmp, CONFIG_FILE), {
-                "format": FORMAT, "format_version": FORMAT_VERSION, "arch": arch,
-                "model": training["config"]["model"], "dtype": dtype_name,
-                "tokenizer": tok_files[0] if tok_files else None, "aliases": aliases,
-                "checksums": {"algorithm": "xxh3_128", WEIGHTS_FILE: file_checksum(os.path.join(tmp, WEIGHTS_FILE))},
-                "params": counts, "training": training})
-            _write_json(os.path.join(tmp, GENERATION_FILE), {
-                **SAMPLING, "eos_token_id": tok.eod_id if tok else None,
-                "bos_token_id": tok.special_ids().get("bos") if tok else None, "max_length": cfg.model.max_seq_len})
-        with open(os.path.join(tmp, CARD_FILE), "w") as f:
-            f.write(model_card(cfg, counts, ck, metrics, fmt, dtype_name, tok_files, command or
-                               f"pretrain export {source} {out}" + (" --format hf" if fmt == "hf" else "")))
-    return {"out": out, "format": fmt, "arch": arch, "step": int(ck.meta["step"]), "checkpoint": ck.checkpoint,
-            "bytes": size, "params": counts["total"], "dtype": dtype_name, "seconds": time.perf_counter() - t0}
+    def counted(name):
+        written[0] += 1
+        progress(written[0], total)
+        return tensor_of(name)
+    return counted
+
+
+def _write_native_configs(folder: str, ck, arch: str, dtype_name: str, tok, tok_files: list, aliases: dict,
+                          counts: dict, metrics: dict) -> None:
+    """Write the native folder's config.json and generation_config.json."""
+    from data_tools.files import file_checksum
+
+    cfg = ck.cfg
+    training = {"config": cfg.to_dict(), "checkpoint": os.path.abspath(ck.checkpoint),
+                "step": int(ck.meta["step"]), **metrics}
+    _write_json(os.path.join(folder, CONFIG_FILE), {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "arch": arch,
+        "model": training["config"]["model"], "dtype": dtype_name,
+        "tokenizer": tok_files[0] if tok_files else None, "aliases": aliases,
+        "checksums": {"algorithm": "xxh3_128", WEIGHTS_FILE: file_checksum(os.path.join(folder, WEIGHTS_FILE))},
+        "params": counts, "training": training})
+    _write_json(os.path.join(folder, GENERATION_FILE), {
+        **SAMPLING, "eos_token_id": tok.eod_id if tok else None,
+        "bos_token_id": tok.special_ids().get("bos") if tok else None, "max_length": cfg.model.max_seq_len})
 
 
 def _copy_tokenizer(folder: str, path, tok, fmt: str, spec) -> list[str]:

@@ -20,6 +20,7 @@ from pretrain.models.blocks import Block, upgrade_attention_state
 from pretrain.models.decoder import Decoder, DecoderConfig
 from pretrain.models.hf_llama import ADAPTER as LLAMA
 from pretrain.models.registry import ArchSpec, Support, register
+from pretrain.models.units import unit_modules
 
 
 @dataclass
@@ -64,8 +65,7 @@ SPEC = register(ArchSpec(
     supports=Support(pp=True),
     pipeline_split=decoder.pipeline_split,
     activation_bytes=decoder.activation_bytes,
-    tp_dims=decoder.tp_dims,
-    recompute_units=lambda model: list(model.blocks),
+    recompute_units=unit_modules,  # each block
     hf=LLAMA,  # transformers' LlamaForCausalLM (pretrain export --format hf, pretrain import)
     upgrade_state=upgrade_attention_state,
 ))

@@ -35,7 +35,7 @@ from parallel.stages import balanced_split
 from parallel.recompute import Recompute, apply_recompute
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp
 from pretrain.models import decoder
-from pretrain.models.decoder import Decoder, DecoderConfig, KVCache, tp_dims
+from pretrain.models.decoder import Decoder, DecoderConfig, KVCache
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 from pretrain.models.units import Run, Unit
 
@@ -416,7 +416,6 @@ SPEC = register(ArchSpec(
     inference_settings=inference_settings,
     progress=("rho", "loops"),
     decode=DecodeRelation("exact"),
-    tp_dims=tp_dims,
     supports=Support(pp=True),
     pipeline_split=pipeline_split,
     activation_bytes=activation_bytes,

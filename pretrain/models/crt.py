@@ -29,7 +29,6 @@ from torch.nn import functional as F
 
 from kernels.attention import decoder_mask
 from parallel.layers import gather_sequence, shift_right
-from pretrain.models import decoder
 from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Block, BlockOptions, dropout, make_norm, mlp, upgrade_attention_state
 from pretrain.models.decoder import Decoder, DecoderConfig, GradCache, KVCache
@@ -509,7 +508,6 @@ SPEC = register(ArchSpec(
     supports=Support(reasons={"pp": (
         "each of the K passes runs every block and feeds the last stage's output back to the first, so "
         "pipeline stages would idle K - 1 times out of K")}),
-    tp_dims=decoder.tp_dims,
     activation_bytes=activation_bytes,
     convert=convert,
     convert_fields=lambda source_arch, source_cfg: {"block": "llama"} if source_arch == "baseline" else {},

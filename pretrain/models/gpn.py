@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.delta_memory import reference as memory
+from kernels.delta_memory import memory_read, memory_step
 from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, replicated_parameter
 from parallel.recompute import Recompute
 from pretrain.models.base import EVAL, ModelConfig, check_eos_id, doc_ids_of
@@ -328,17 +328,24 @@ class GPN(Whole, nn.Module):
         z = lambda *shape: torch.zeros(*shape, device=p.device, dtype=dtype)  # noqa: E731
         return [z(B, d if H else 0), z(B, H, cfg.d_key, cfg.d_value), z(B, d)]
 
-    def _predict(self, i: int, s: Tensor, z: list[Tensor], M: Tensor | None, W: Folded, probe: dict | None) -> Tensor:
-        """Predict sub-layer i from its projections z = [a | b, gate, (q, rg)] of s."""
+    def _query(self, zq: Tensor) -> Tensor:
+        """A predict sub-layer's memory query [B, H, d_k] from its projection."""
+        return _unit(F.relu(zq).unflatten(-1, (self.cfg.mem_heads, self.cfg.d_key)))
+
+    def _predict(self, i: int, s: Tensor, z: list[Tensor], M: Tensor | None, W: Folded, probe: dict | None,
+                 o: Tensor | None = None) -> Tensor:
+        """Predict sub-layer i from its projections z = [a | b, gate, (q, rg)] of s; `o`: its memory read when
+        already made (the first sub-layer's, fused with the write)."""
         cfg = self.cfg
         F_ = cfg.d_ffn
         ab, pg = z[0], z[1]
         ffn = F.linear(F.silu(ab[..., :F_]) * ab[..., F_:], W.downs[i])
         out = torch.addcmul(ffn, torch.sigmoid(pg), s)  # Gate_p(s) * s + FFN(s)
         if M is not None:
-            q = _unit(F.relu(z[2]).unflatten(-1, (cfg.mem_heads, cfg.d_key)))
-            with _state_precision(M):
-                o = memory.read(M, q.to(M.dtype)).flatten(-2)
+            if o is None:
+                with _state_precision(M):
+                    o = memory_read(M, self._query(z[2]).to(M.dtype))
+            o = o.flatten(-2)
             mem = F.linear(F.silu(z[3]) * _hat(o, cfg.norm_eps).to(z[3].dtype), W.outs[i])
             if probe is not None:
                 probe["mem_effect"].append((mem.norm(dim=-1) / out.norm(dim=-1).clamp(min=1e-12)).mean())
@@ -364,15 +371,17 @@ class GPN(Whole, nn.Module):
             H, dk = cfg.mem_heads, cfg.d_key
             v, beta, a = z[4], z[5], z[6]  # a: W_a u + dt_bias (folded)
             k = _unit(F.relu(F.linear(hg_prev, *W.key)).unflatten(-1, (H, dk)))
+            q = self._query(z[2])  # the first predict sub-layer's read follows the write at once
             with _state_precision(M):  # the memory in the state's precision (fp32) under bf16 autocast
                 alpha = torch.exp(W.neg_A * F.softplus(a.to(M.dtype)))
-                M = memory.write(M, k.to(M.dtype), v.unflatten(-1, (H, cfg.d_value)).to(M.dtype),
-                                 torch.sigmoid(beta).to(M.dtype), alpha)
+                M, o = memory_step(M, k.to(M.dtype), v.unflatten(-1, (H, cfg.d_value)).to(M.dtype),
+                                   torch.sigmoid(beta).to(M.dtype), alpha, q.to(M.dtype))
             if probe is not None:
                 probe["alpha"].append(alpha.mean())
                 probe["mem_norm"].append(M.flatten(1).norm(dim=-1).mean())
             hg_prev = hg  # the next write's key source
-        s = self._predict(0, sg, list(z[:4]), M if self.write is not None else None, W, probe)
+        s = self._predict(0, sg, list(z[:4]), M if self.write is not None else None, W, probe,
+                          o if self.write is not None else None)
         for i, Wl in enumerate(W.later, 1):
             zl = F.linear(_hat(s, eps), *Wl).split(W.sizes_later, -1)
             s = self._predict(i, s, list(zl), M, W, probe)

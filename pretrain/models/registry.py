@@ -63,110 +63,7 @@ class DecodeRelation:
     config: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    name: str
-    config_cls: type  # a dataclass deriving from pretrain.models.base.ModelConfig, with validate()
-    build: Callable[[Any], Any]  # config -> nn.Module, built through parallel.layers only
-    # Training FLOPs per token at sequence length T for the step of a StepContext (an architecture
-    # whose work depends on a per-step draw, like CRT's K, computes that step's); ctx None: the
-    # expected value over the draws (what `pretrain info` prints).
-    flops_per_token: Callable[..., float]
-    # Streaming decode and full-sequence logits. None (a decoder-shaped model, pretrain/models/decoder.py):
-    # the model's own methods, model.new_state(batch size), model.step(tokens, state), model.logits(tokens);
-    # __post_init__ fills them in, so callers always call spec.new_state(model, B) and so on. A model of
-    # another shape passes its own functions.
-    new_state: Callable[[Any, int], Any] | None = None  # (model, batch size) -> empty streaming cache
-    step: Callable[[Any, Any, Any], tuple[Any, Any]] | None = None  # (model, tokens [B, n], state) -> (logits, state)
-    logits: Callable[[Any, Any], Any] | None = None  # (model, tokens [B, T]) -> full-sequence logits [B, T, V], float32
-    flops_formula: str = ""  # flops_per_token in words and symbols, printed by `pretrain info`
-    # The parameter count by the paper's own formula where it counts differently from the model (CRT's
-    # §3.1 counts matmul weights and the head, not biases and norms); `pretrain info` shows both.
-    formula_params: Callable[[Any], int] | None = None
-    # Lines of its own that `pretrain info` prints for a config (CART's effective parameter count at R)
-    info: Callable[[Any], list[str]] | None = None
-    # The inference settings an evaluation at sequence length T uses, as lines `pretrain eval` prints
-    # (CRT's K passes, CART's R): inference_settings(cfg, T) -> [lines]. None: nothing to say.
-    inference_settings: Callable[[Any, int], list[str]] | None = None
-    decode: DecodeRelation = DecodeRelation()
-    progress: tuple[str, ...] = ()  # diagnostics shown on the progress line (all go to metrics.jsonl)
-    supports: Support = Support()
-    # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; RunConfig.validate refuses a
-    # parallel.tp that does not divide each (a decoder-shaped config: pretrain/models/decoder.py's tp_dims)
-    tp_dims: Callable[[Any], dict[str, int]] | None = None
-    # The planner's activation-memory estimate: activation_bytes(cfg, T, micro_batch, recompute) -> the
-    # peak bytes of one micro batch's forward and backward in fp32 (pretrain/plan.py scales it by stage)
-    activation_bytes: Callable[[Any, int, int, str], int] | None = None
-    # A recurrence over positions that training cannot parallelize: serial_loop(cfg, T) -> (dependent
-    # steps one micro batch's forward takes, its backward the same; training FLOPs per token run inside
-    # those steps, forward and backward). The planner charges each step a latency and runs those FLOPs
-    # at a position-serial efficiency (parallel/plan.py). None: every position runs at once.
-    serial_loop: Callable[[Any, int], tuple[int, float] | None] | None = None
-    # (hidden width, layers): the planner sizes its matmul efficiency and the activations a tensor- or
-    # pipeline-parallel step sends by the width, and counts tensor-parallel all-reduces by the layers.
-    # Default: a decoder-shaped config's (model.d_model, model.n_layers).
-    plan_shape: Callable[[Any], tuple[int, int]] = lambda cfg: (cfg.d_model, cfg.n_layers)
-    # Pipeline stages (parallel/pipeline.py): pipeline_split(cfg, pp) -> pp + 1 boundaries over the
-    # model's pipeline units (its `pipeline_units()`; ValueError, one sentence, when they do not split);
-    # the model runs a stage with run_stage(batch, ctx, h, lo, hi, last) and drops the units a rank does
-    # not run with keep_stage(units, first, last) (units: a range, or under the interleaved schedule the
-    # set of its stages' units). Support.pp must be set with it.
-    pipeline_split: Callable[[Any, int], list] | None = None
-    # Activation recompute policies (parallel/recompute.py): {policy name: policy}, the first being the
-    # recommended one (`parallel.recompute=full`); a single policy is the one policy "full". A policy is
-    # a Recompute: Recompute(wrap=fn), fn: model -> the modules to checkpoint, or Recompute(configure=fn),
-    # fn: model -> None, which sets what the model's forward reads to recompute by itself (segments of a
-    # time loop, a custom backward); a bare function means Recompute(wrap=fn). A model that applies a
-    # block several times per step can offer several (CRT: each block in each pass, or a whole pass
-    # keeping only its input).
-    recompute_units: Recompute | Callable[[Any], list] | dict[str, Recompute | Callable[[Any], list]] | None = None
-    # Token ids the model uses internally, {name: id} from its config (SPS's <predict>): the trainer
-    # refuses a dataset that holds one, and generation never samples one (its logits are left as the
-    # model computes them, so the decode relation still compares the model's own). None: no such ids.
-    internal_tokens: Callable[[Any], dict[str, int]] | None = None
-    # Export (pretrain/export): the generic native folder works for any model whose state dict is
-    # its weights; an architecture that cannot be exported says why here (the round-trip test and
-    # `pretrain export` quote it). `hf`: an adapter to and from a Hugging Face transformers layout
-    # (pretrain/models/hf_llama.py's LlamaAdapter is the interface), for `--format hf` and import.
-    export_refusal: str = ""
-    hf: Any | None = None
-    # Tensors as an earlier version of the model saved them, renamed or split into today's:
-    # upgrade_state(state, cfg) -> state (full single-device tensors). Export and import apply it, so
-    # `pretrain import OLD_RUN NEW_RUN` carries an older run's weights forward. None: nothing changed.
-    upgrade_state: Callable[[dict, Any], dict] | None = None
-    # Starting a run from another architecture's weights (checkpoint.init_from):
-    # convert(source_arch, source_cfg, source_state, target_cfg) -> this architecture's full,
-    # single-device state dict (every name its model's state_dict has, tied weights under each name).
-    # Raises ValueError, one sentence, for a source it cannot convert (another width, depth or
-    # vocabulary; an unknown source architecture). validate() calls it on meta tensors to check the
-    # shapes before any work, so it must only use tensor operations (make new tensors with
-    # zeros_like/new_zeros of a source tensor, never read values). None: same-architecture loading only.
-    convert: Callable[[str, Any, dict, Any], dict] | None = None
-    # The model fields a conversion from `source_arch` fixes beyond those both configs share by name
-    # (CRT from a baseline: {"block": "llama"}); `pretrain import --arch` builds the target config
-    # from the shared fields, these, then the user's overrides. None: only the shared fields.
-    convert_fields: Callable[[str, Any], dict] | None = None
-
-    def __post_init__(self):
-        for name, default in (("new_state", _model_new_state), ("step", _model_step), ("logits", _model_logits)):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
-        units = self.recompute_units
-        if units is None:
-            policies = {}
-        elif isinstance(units, dict):
-            policies = {name: as_policy(p) for name, p in units.items()}
-            policies = {"full": next(iter(policies.values())), **policies} if policies else {}
-        else:
-            policies = {"full": as_policy(units)}
-        object.__setattr__(self, "_policies", policies)
-
-    def recompute_policies(self) -> dict[str, Recompute]:
-        """Every policy by name as a Recompute, "full" included (the first named one, or the single one)."""
-        return dict(self._policies)
-
-
-# The decode functions of a spec that names none: the model's own methods (ArchSpec.__post_init__).
+# -- the defaults of the optional hooks: each works, so no caller checks for None ------------------
 def _model_new_state(model, batch_size: int):
     return model.new_state(batch_size)
 
@@ -177,6 +74,139 @@ def _model_step(model, tokens, state):
 
 def _model_logits(model, tokens):
     return model.logits(tokens)
+
+
+def _decoder_tp_dims(cfg) -> dict[str, int]:
+    """A decoder-shaped config's (pretrain/models/decoder.py tp_dims); nothing for another shape."""
+    from pretrain.models.decoder import DecoderConfig, tp_dims
+
+    return tp_dims(cfg) if isinstance(cfg, DecoderConfig) else {}
+
+
+def _no_pipeline(cfg, pp: int) -> list:
+    raise ValueError(f"model.arch {cfg.arch!r} has no pipeline stages (no pipeline_split in its registry entry)")
+
+
+def _no_conversion(source_arch: str, source_cfg, source_state: dict, target_cfg) -> dict:
+    raise ValueError(f"model.arch {target_cfg.arch!r} has no conversion from another architecture (no `convert` in "
+                     "its registry entry)")
+
+
+class NoHF:
+    """The `hf` adapter of an architecture without a Hugging Face counterpart: export refuses it."""
+
+    model_type = None
+
+    def check_export(self, cfg) -> None:
+        raise ValueError(f"--format hf: model.arch {cfg.arch!r} has no Hugging Face counterpart (its registry entry "
+                         "names no `hf` adapter); export it in the native format")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """An architecture's registry entry: four required fields, the rest optional with a default that
+    works (docs/adding-an-architecture.md has the table)."""
+
+    name: str
+    config_cls: type  # a dataclass deriving from pretrain.models.base.ModelConfig, with validate()
+    build: Callable[[Any], Any]  # config -> nn.Module, built through parallel.layers only
+    # Training FLOPs per token at sequence length T for the step of a StepContext (an architecture
+    # whose work depends on a per-step draw, like CRT's K, computes that step's); ctx None: the
+    # expected value over the draws (what `pretrain info` prints).
+    flops_per_token: Callable[..., float]
+    # Streaming decode and full-sequence logits; by default the model's own methods (a decoder-shaped
+    # model has them: pretrain/models/decoder.py). A model of another shape may pass its own functions.
+    new_state: Callable[[Any, int], Any] = _model_new_state  # (model, batch size) -> empty streaming cache
+    step: Callable[[Any, Any, Any], tuple[Any, Any]] = _model_step  # (model, tokens [B, n], state) -> (logits, state)
+    logits: Callable[[Any, Any], Any] = _model_logits  # (model, tokens [B, T]) -> logits [B, T, V], float32
+    flops_formula: str = ""  # flops_per_token in words and symbols, printed by `pretrain info`
+    # The parameter count by the paper's own formula where it counts differently from the model (CRT's
+    # §3.1 counts matmul weights and the head, not biases and norms); `pretrain info` shows both. None
+    # from the default: the paper counts what the model holds.
+    formula_params: Callable[[Any], int | None] = lambda cfg: None
+    # Lines of its own that `pretrain info` prints for a config (CART's effective parameter count at R)
+    info: Callable[[Any], list[str]] = lambda cfg: []
+    # The inference settings an evaluation at sequence length T uses, as lines `pretrain eval` prints
+    # (CRT's K passes, CART's R): inference_settings(cfg, T) -> [lines].
+    inference_settings: Callable[[Any, int], list[str]] = lambda cfg, seq_len: []
+    decode: DecodeRelation = DecodeRelation()
+    progress: tuple[str, ...] = ()  # diagnostics shown on the progress line (all go to metrics.jsonl)
+    supports: Support = Support()
+    # model dimensions tensor parallelism splits: {"model.n_heads": 8, ...}; RunConfig.validate refuses a
+    # parallel.tp that does not divide each (default: a decoder-shaped config's heads, FFN and vocabulary)
+    tp_dims: Callable[[Any], dict[str, int]] = _decoder_tp_dims
+    # The planner's activation-memory estimate: activation_bytes(cfg, T, micro_batch, recompute) -> the
+    # peak bytes of one micro batch's forward and backward in fp32 (pretrain/plan.py scales it by stage);
+    # None from the default: no estimate (the planner shows weights and optimizer state only, "+?")
+    activation_bytes: Callable[[Any, int, int, str], int | None] = lambda cfg, seq_len, batch, recompute: None
+    # A recurrence over positions that training cannot parallelize: serial_loop(cfg, T) -> (dependent
+    # steps one micro batch's forward takes, its backward the same; training FLOPs per token run inside
+    # those steps, forward and backward). The planner charges each step a latency and runs those FLOPs
+    # at a position-serial efficiency (parallel/plan.py). None (the default): every position runs at once.
+    serial_loop: Callable[[Any, int], tuple[int, float] | None] = lambda cfg, seq_len: None
+    # (hidden width, layers): the planner sizes its matmul efficiency and the activations a tensor- or
+    # pipeline-parallel step sends by the width, and counts tensor-parallel all-reduces by the layers.
+    # Default: a decoder-shaped config's (model.d_model, model.n_layers).
+    plan_shape: Callable[[Any], tuple[int, int]] = lambda cfg: (cfg.d_model, cfg.n_layers)
+    # Pipeline stages (parallel/pipeline.py): pipeline_split(cfg, pp) -> pp + 1 boundaries over the
+    # model's units (pretrain/models/units.py; ValueError, one sentence, when they do not split). The
+    # default refuses; Support.pp is set with a split of its own.
+    pipeline_split: Callable[[Any, int], list] = _no_pipeline
+    # Activation recompute policies (parallel/recompute.py): {policy name: policy}, the first being the
+    # recommended one (`parallel.recompute=full`); a single policy is the one policy "full". A policy is
+    # a Recompute: Recompute(wrap=fn), fn: model -> the modules to checkpoint, or Recompute(configure=fn),
+    # fn: model -> None, which sets what the model's forward reads to recompute by itself (segments of a
+    # time loop, a custom backward); a bare function means Recompute(wrap=fn). A model that applies a
+    # block several times per step can offer several (CRT: each block in each pass, or a whole pass
+    # keeping only its input). Default: none.
+    recompute_units: Recompute | Callable[[Any], list] | dict[str, Recompute | Callable[[Any], list]] = \
+        field(default_factory=dict)
+    # Token ids the model uses internally, {name: id} from its config (SPS's <predict>): the trainer
+    # refuses a dataset that holds one, and generation never samples one (its logits are left as the
+    # model computes them, so the decode relation still compares the model's own). Default: none.
+    internal_tokens: Callable[[Any], dict[str, int]] = lambda cfg: {}
+    # Export (pretrain/export): the generic native folder works for any model whose state dict is
+    # its weights; an architecture that cannot be exported says why here (the round-trip test and
+    # `pretrain export` quote it). `hf`: an adapter to and from a Hugging Face transformers layout
+    # (pretrain/models/hf_llama.py's LlamaAdapter is the interface), for `--format hf` and import;
+    # the default, NoHF, refuses `--format hf` in one sentence.
+    export_refusal: str = ""
+    hf: Any = NoHF()
+    # Tensors as an earlier version of the model saved them, renamed or split into today's:
+    # upgrade_state(state, cfg) -> state (full single-device tensors). Export and import apply it, so
+    # `pretrain import OLD_RUN NEW_RUN` carries an older run's weights forward. Default: unchanged.
+    upgrade_state: Callable[[dict, Any], dict] = lambda state, cfg: state
+    # Starting a run from another architecture's weights (checkpoint.init_from):
+    # convert(source_arch, source_cfg, source_state, target_cfg) -> this architecture's full,
+    # single-device state dict (every name its model's state_dict has, tied weights under each name).
+    # Raises ValueError, one sentence, for a source it cannot convert (another width, depth or
+    # vocabulary; an unknown source architecture). validate() calls it on meta tensors to check the
+    # shapes before any work, so it must only use tensor operations (make new tensors with
+    # zeros_like/new_zeros of a source tensor, never read values). The default refuses every source
+    # (same-architecture loading only).
+    convert: Callable[[str, Any, dict, Any], dict] = _no_conversion
+    # The model fields a conversion from `source_arch` fixes beyond those both configs share by name
+    # (CRT from a baseline: {"block": "llama"}); `pretrain import --arch` builds the target config
+    # from the shared fields, these, then the user's overrides. Default: only the shared fields.
+    convert_fields: Callable[[str, Any], dict] = lambda source_arch, source_cfg: {}
+
+    def __post_init__(self):
+        units = self.recompute_units
+        if isinstance(units, dict):
+            policies = {name: as_policy(p) for name, p in units.items()}
+            policies = {"full": next(iter(policies.values())), **policies} if policies else {}
+        else:
+            policies = {"full": as_policy(units)}
+        object.__setattr__(self, "_policies", policies)
+
+    def recompute_policies(self) -> dict[str, Recompute]:
+        """Every policy by name as a Recompute, "full" included (the first named one, or the single one)."""
+        return dict(self._policies)
+
+    @property
+    def converts(self) -> bool:
+        """Whether a run may start from another architecture's weights (a `convert` of its own)."""
+        return self.convert is not _no_conversion
 
 
 def count_parameters(model) -> dict[str, int]:
@@ -223,7 +253,7 @@ def register(spec: ArchSpec) -> ArchSpec:
     if not (isinstance(spec.config_cls, type) and issubclass(spec.config_cls, ModelConfig)):
         raise TypeError(f"architecture {spec.name!r}: its config class must derive from "
                         "pretrain.models.base.ModelConfig")
-    if spec.supports.pp != (spec.pipeline_split is not None):
+    if spec.supports.pp != (spec.pipeline_split is not _no_pipeline):
         raise ValueError(f"architecture {spec.name!r}: Support.pp and pipeline_split go together")
     if spec.name in _REGISTRY and _REGISTRY[spec.name] is not spec:
         raise ValueError(f"architecture {spec.name!r} is registered twice")

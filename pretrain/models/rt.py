@@ -13,7 +13,8 @@ No parameter is added over the Transformer of the same shape; `model.recurrent=f
 Transformer (the paper's "T" rows), built from the same shared block with the same parameter names.
 Training and prefill run the exact dyadic tile schedule with its custom backward
 (kernels/rt_prefill: the "tiled" path; "naive" is the definition); decode is a KV-cache decode with one
-extra K/V projection per token and layer (spec §2.5), the cache holding the persistent pairs.
+extra K/V projection per token and layer (spec §2.5), the cache holding the persistent pairs (the
+"rt_decode" op: the same schedule after the cached prefix).
 
 The choices the paper leaves open are config fields (spec §7): `norm` rms | layer (A1; layer is the
 released configs' gain-only LayerNorm), `qk_norm` full | head (A2), `positions` alibi | rope (A6),
@@ -28,10 +29,11 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from kernels.rt_prefill import rt_prefill, schedule, tiled
+from kernels.rt_prefill import rt_decode, rt_prefill, schedule
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, apply_rope, make_norm, mlp
-from pretrain.models.decoder import Decoder, DecoderConfig, pipeline_split, tp_dims
+from pretrain.models.decoder import Decoder, DecoderConfig, pipeline_split
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
+from pretrain.models.units import Unit, unit_modules
 
 
 @dataclass
@@ -184,7 +186,7 @@ class RTBlock(nn.Module):
             return rt_prefill(h, view, self.leaf, 0)
         n = h.shape[1]
         prefix = (cache.k[a.slot][:, :, :offset], cache.v[a.slot][:, :, :offset])
-        z, k, v, _ = tiled.forward(h, view, self.leaf, offset, prefix)  # exact; decode needs no gradient
+        z, k, v = rt_decode(h, view, self.leaf, offset, prefix)  # exact; decode needs no gradient
         cache.k[a.slot][:, :, offset:offset + n] = k
         cache.v[a.slot][:, :, offset:offset + n] = v
         return z
@@ -207,6 +209,10 @@ class RT(Decoder):
 
     def applications(self) -> list[nn.Module]:
         return list(self.blocks)
+
+    def units(self) -> list[Unit]:
+        """A layer each; an RT layer's position loop is a static region (units.Unit.static)."""
+        return [Unit.block(b, i, static=self.cfg.recurrent) for i, b in enumerate(self.blocks)]
 
     def stage_inputs(self, batch):
         """The training forward (the decoder's run_stage): positions run over the packed sample (no
@@ -277,6 +283,5 @@ SPEC = register(ArchSpec(
               "benchmarks/bench_rt.py: 2.5-5% of a d=1024 layer's step on CPU, 84-169% at d=64)",
         "sp": "the recurrence runs over the whole sequence: a sequence slice cannot be computed without the "
               "previous slice's outputs (spec §3.8)"}),
-    tp_dims=tp_dims,
-    recompute_units=lambda model: list(model.blocks),  # the Transformer rows only (validate_run refuses RT's)
+    recompute_units=unit_modules,  # each block: the Transformer rows only (validate_run refuses RT's)
 ))

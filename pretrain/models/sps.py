@@ -43,6 +43,7 @@ from pretrain.models.base import continue_doc_ids, tokenizer_ids
 from pretrain.models.blocks import Block
 from pretrain.models.decoder import Decoder, DecoderConfig
 from pretrain.models.registry import ArchSpec, Support, register
+from pretrain.models.units import unit_modules
 
 X, RHO = 0, 1  # slot kinds: the input token, its <predict> slot
 # variant -> (the persistent kind, None for both; the kind the logits are read from)
@@ -357,7 +358,6 @@ SPEC = register(ArchSpec(
     supports=Support(pp=True),
     pipeline_split=decoder.pipeline_split,
     activation_bytes=activation_bytes,
-    tp_dims=decoder.tp_dims,
-    recompute_units=lambda model: list(model.blocks),
+    recompute_units=unit_modules,  # each block
     internal_tokens=internal_tokens,
 ))

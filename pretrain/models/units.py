@@ -38,6 +38,9 @@ class Run:
     cache: Any = None
     loops: int | None = None
     diagnostics: dict = field(default_factory=dict)
+    # capture(unit, h, run) -> h runs a unit that declares a static region (Unit.static) in its place: the
+    # seam for CUDA-graph capture of position loops on a GPU (RT's layer); None runs every unit eagerly
+    capture: Callable[["Unit", Tensor, "Run"], Tensor] | None = None
 
     @property
     def offset(self) -> int:
@@ -47,15 +50,18 @@ class Run:
 
 @dataclass(frozen=True)
 class Unit:
-    """One step of the trunk: `apply(h, run) -> h`, and the modules / parameters it owns."""
+    """One step of the trunk: `apply(h, run) -> h`, the modules / parameters it owns, and whether it is a
+    static region: a loop whose shapes depend only on the input's (RT's positions), which Run.capture may
+    run instead (captured once per shape and replayed)."""
 
     apply: Callable[[Tensor, Run], Tensor]
     owns: tuple = ()
+    static: bool = False
 
     @classmethod
-    def block(cls, block: nn.Module, slot: int) -> "Unit":
+    def block(cls, block: nn.Module, slot: int, static: bool = False) -> "Unit":
         """A block applied once, reading decode-cache slot `slot`."""
-        return cls(lambda h, run: block(h, run.attend.at(slot)), (block,))
+        return cls(lambda h, run: block(h, run.attend.at(slot)), (block,), static)
 
 
 class Units:
@@ -70,7 +76,7 @@ class Units:
     def apply_units(self, h: Tensor, run: Run, lo: int = 0, hi: int | None = None) -> Tensor:
         units = self.units()
         for unit in units[lo:len(units) if hi is None else hi]:
-            h = unit.apply(h, run)
+            h = run.capture(unit, h, run) if unit.static and run.capture is not None else unit.apply(h, run)
         return h
 
     def keep_stage(self, units, first: bool, last: bool) -> None:
@@ -105,6 +111,18 @@ class Whole:
     def keep_stage(self, units, first: bool, last: bool) -> None:
         if set(units) != {0} or not (first and last):
             raise ValueError(f"{type(self).__name__} is one pipeline unit: it runs as a single stage")
+
+
+def unit_modules(model) -> list[nn.Module]:
+    """The modules the model's units own, each once, in order: the activation-recompute policy of a model
+    whose units are its blocks (each checkpointed keeps only its input; a registry `recompute_units`)."""
+    seen, out = set(), []
+    for unit in model.units():
+        for x in unit.owns:
+            if isinstance(x, nn.Module) and id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+    return out
 
 
 def owned_parameters(model: nn.Module, owners) -> set[int]:
