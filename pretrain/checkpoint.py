@@ -231,19 +231,32 @@ def _to_json(obj, what: str) -> str:
         raise ValueError(f"{what} is not JSON-serialisable: {e}") from None
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
-    """The global RNGs' states (a model's per-step draws come from its StepContext, which needs none)."""
+def _model_generators(target) -> dict[str, torch.Generator]:
+    """torch.Generator objects the model owns as module attributes, keyed "generator.<module>.<attr>"."""
+    model = getattr(target, "model", None)
+    if model is None:
+        return {}
+    return {f"generator.{name + '.' if name else ''}{attr}": value for name, module in model.named_modules()
+            for attr, value in vars(module).items() if isinstance(value, torch.Generator)}
+
+
+def _rng_state(target=None) -> dict[str, torch.Tensor]:
+    """The global RNGs' states and those of the model's own generators."""
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"torch_cuda_{i}": torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())})
+    rng.update({k: g.get_state() for k, g in _model_generators(target).items()})
     return rng
 
 
-def _set_rng_state(rng: dict[str, torch.Tensor]) -> None:
+def _set_rng_state(rng: dict[str, torch.Tensor], target) -> None:
     torch.set_rng_state(rng["torch_cpu"])
-    for key, value in rng.items():  # (older checkpoints' "generator.*" entries: no model owns one now)
+    generators = _model_generators(target)
+    for key, value in rng.items():
         if key.startswith("torch_cuda_"):
             torch.cuda.set_rng_state(value, int(key.removeprefix("torch_cuda_")))
+        elif key in generators:
+            generators[key].set_state(value)
 
 
 def save_checkpoint(run_dir: str, step: int, model, optimizer, meta: dict, keep_last: int = 2,
@@ -365,7 +378,7 @@ def _meta_to_save(meta: dict, step: int, keep_last: int, keep_every: int) -> dic
 
 def _state_to_save(target) -> tuple[dict, str | None]:
     """(the tensors DCP writes, the optimizer's param_groups as JSON or None); collective under ranks."""
-    state: dict = {"rng": _rng_state()}
+    state: dict = {"rng": _rng_state(target)}
     state["model"], optim_sd = target.get_state()
     for key, value in state["model"].items():  # DCP would pickle it, and loading refuses pickles
         if not isinstance(value, torch.Tensor):
@@ -479,7 +492,7 @@ def load_checkpoint(path: str, model, optimizer=None, restore_rng: bool = True,
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} could not be loaded ({_first_line(e)})") from None
     if restore_rng:
-        _set_rng_state(state["rng"])
+        _set_rng_state(state["rng"], target)
     return meta
 
 
@@ -523,7 +536,7 @@ def _state_to_load(path: str, saved: dict, target, restore_rng: bool) -> tuple[d
     if restore_rng:
         if "rng.torch_cpu" not in saved:
             raise CheckpointError(f"checkpoint {path} holds no RNG state")
-        state["rng"] = {k: v for k, v in _rng_state().items() if f"rng.{k}" in saved}  # CUDA only if saved
+        state["rng"] = {k: v for k, v in _rng_state(target).items() if f"rng.{k}" in saved}  # CUDA only if saved
     _check(path, saved, state, _held(target, state))
     return state, groups
 
