@@ -28,7 +28,7 @@ import prefix_lm_model  # noqa: F401  (a test architecture with a mask of its ow
 from pretrain.cli import main
 from pretrain.config import load_config, shipped_configs
 from pretrain.metrics import read_metrics
-from pretrain.models import ArchSpec, Support, all_archs, count_parameters, get_arch, register
+from pretrain.models import ArchSpec, Support, all_archs, count_parameters, get_arch, meta_model, register
 from pretrain.trainer import Trainer
 from trainer_helpers import VOCAB, write_markov_corpus, write_word_tokenizer
 
@@ -97,9 +97,7 @@ def test_shipped_configs_have_the_parameter_counts_they_declare():
 
 def _meta_tiny(arch):
     config, over = tiny_config(arch)
-    cfg = load_config(config, over, check_data=False)
-    with torch.device("meta"):
-        return get_arch(arch).build(cfg.model)
+    return meta_model(load_config(config, over, check_data=False).model)
 
 
 @pytest.mark.parametrize("arch", ALL)
