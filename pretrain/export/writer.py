@@ -110,10 +110,13 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         if fmt == "hf":
             _write_json(os.path.join(tmp, CONFIG_FILE), spec.hf.hf_config(cfg.model, dtype_name, tok))
             _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(tok, SAMPLING))
+            for name, text in getattr(spec.hf, "remote_files", dict)().items():  # trust_remote_code's files
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
         else:
             _write_native_configs(tmp, ck, arch, dtype_name, tok, tok_files, aliases, counts, metrics)
         with open(os.path.join(tmp, CARD_FILE), "w") as f:
-            f.write(model_card(cfg, counts, ck, metrics, fmt, dtype_name, tok_files, command or
+            f.write(model_card(cfg, counts, ck, metrics, fmt, dtype_name, tok_files, spec.hf, command or
                                f"pretrain export {source} {out}" + (" --format hf" if fmt == "hf" else "")))
     return {"out": out, "format": fmt, "arch": arch, "step": int(ck.meta["step"]), "checkpoint": ck.checkpoint,
             "bytes": size, "params": counts["total"], "dtype": dtype_name, "seconds": time.perf_counter() - t0}
@@ -213,13 +216,16 @@ def _copy_tokenizer(folder: str, path, tok, fmt: str, spec) -> list[str]:
     return [name]
 
 
-def model_card(cfg, counts: dict, ck, metrics: dict, fmt: str, dtype: str, tok_files: list, command: str) -> str:
+def model_card(cfg, counts: dict, ck, metrics: dict, fmt: str, dtype: str, tok_files: list, adapter,
+               command: str) -> str:
     from pretrain.config import to_yaml
 
     name = os.path.basename(os.path.normpath(ck.run_dir))
     val = (f"{metrics['val_loss']:.4f} nats/token (perplexity {math.exp(min(metrics['val_loss'], 50)):.2f}) "
            f"at step {metrics['val_step']}") if "val_loss" in metrics else "not evaluated during training"
-    load = ("transformers.LlamaForCausalLM.from_pretrained(FOLDER)  # local files only" if fmt == "hf" else
+    hf_load = getattr(adapter, "load_line", "transformers.LlamaForCausalLM.from_pretrained(FOLDER)  # local files only")
+    layout = getattr(adapter, "layout", "Hugging Face Llama layout") if fmt == "hf" else "native format"
+    load = (hf_load if fmt == "hf" else
             "pretrain generate FOLDER --prompt '...'   |   pretrain eval FOLDER data.valid=[PREFIX]\n"
             "from pretrain.export import load_folder; model, spec, cfg, tokenizer = load_folder(FOLDER)")
     model_yaml = to_yaml(cfg).split("\nparallel:")[0]  # the model section comes first
@@ -229,7 +235,7 @@ Exported by recurrent-pretrain from step {ck.meta['step']} of run `{name}`.
 
 | | |
 |---|---|
-| architecture | `{cfg.model.arch}` ({'Hugging Face Llama layout' if fmt == 'hf' else 'native format'}) |
+| architecture | `{cfg.model.arch}` ({layout}) |
 | parameters | {counts['total']:,} ({counts['embedding']:,} embedding, {counts['non_embedding']:,} non-embedding) |
 | training tokens | {metrics['tokens']:,} ({ck.meta['step']} steps) |
 | final validation loss | {val} |

@@ -35,7 +35,9 @@ from parallel.stages import balanced_split
 from parallel.recompute import Recompute, apply_recompute
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, make_norm, mlp
 from pretrain.models import decoder
+from pretrain.models.base import StepContext
 from pretrain.models.decoder import Decoder, DecoderConfig, KVCache
+from pretrain.hf_remote.adapter import RemoteAdapter
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 from pretrain.models.units import Run, Unit
 
@@ -137,8 +139,6 @@ class CARTConfig(DecoderConfig):
             return float(self.n_loops)
         if self.loops_sampling == "uniform":
             return (self.loops_min + self.n_loops) / 2
-        from pretrain.models.base import StepContext
-
         return sum(self.draw_loops(StepContext(i, i)) for i in range(2000)) / 2000
 
 
@@ -416,6 +416,7 @@ SPEC = register(ArchSpec(
     inference_settings=inference_settings,
     progress=("rho", "loops"),
     decode=DecodeRelation("exact"),
+    hf=RemoteAdapter("cart"),  # --format hf: remote code generated from this file (pretrain/hf_remote)
     supports=Support(pp=True),
     pipeline_split=pipeline_split,
     activation_bytes=activation_bytes,

@@ -32,6 +32,7 @@ from parallel.layers import gather_sequence, shift_right
 from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Block, BlockOptions, dropout, make_norm, mlp, upgrade_attention_state
 from pretrain.models.decoder import Decoder, DecoderConfig, GradCache, KVCache
+from pretrain.hf_remote.adapter import RemoteAdapter
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 from pretrain.models.units import Whole
 
@@ -505,6 +506,7 @@ SPEC = register(ArchSpec(
         "streaming computes the recurrence's fixed point, which the K-pass parallel forward reaches at every "
         "position when K >= T + 1 (spec §2.3); at the trained K only the first K - 1 positions are exact")),
     progress=("k",),
+    hf=RemoteAdapter("crt"),  # --format hf: remote code generated from this file (pretrain/hf_remote)
     supports=Support(reasons={"pp": (
         "each of the K passes runs every block and feeds the last stage's output back to the first, so "
         "pipeline stages would idle K - 1 times out of K")}),

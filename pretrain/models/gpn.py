@@ -47,6 +47,7 @@ from kernels.delta_memory import memory_read, memory_step
 from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, replicated_parameter
 from parallel.recompute import Recompute
 from pretrain.models.base import EVAL, ModelConfig, check_eos_id, doc_ids_of
+from pretrain.hf_remote.adapter import RemoteAdapter
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 from pretrain.models.units import Whole
 
@@ -566,6 +567,7 @@ SPEC = register(ArchSpec(
     serial_loop=serial_loop,
     decode=DecodeRelation("exact"),
     progress=("mem_effect",),
+    hf=RemoteAdapter("gpn"),  # --format hf: remote code generated from this file (pretrain/hf_remote)
     supports=Support(tp=False, sp=False, reasons={
         "tp": "each of the window's steps would need at least two all-reduces inside the sequential loop (thousands of "
               "latency-bound collectives per window), and the paper's 15 memory heads divide by no TP size "

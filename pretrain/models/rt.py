@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from kernels.rt_prefill import rt_decode, rt_prefill, schedule
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, apply_rope, make_norm, mlp
 from pretrain.models.decoder import Decoder, DecoderConfig, pipeline_split
+from pretrain.hf_remote.adapter import RemoteAdapter
 from pretrain.models.registry import ArchSpec, DecodeRelation, Support, register
 from pretrain.models.units import Unit, unit_modules
 
@@ -274,6 +275,7 @@ SPEC = register(ArchSpec(
     pipeline_split=pipeline_split,
     activation_bytes=activation_bytes,
     serial_loop=serial_loop,
+    hf=RemoteAdapter("rt"),  # --format hf: remote code generated from this file (pretrain/hf_remote)
     supports=Support(tp=False, sp=False, pp=True, zero_stages=(0, 1, 2), reasons={
         "zero": "ZeRO-3 partitions parameters and gathers them around each module's forward, but RT's custom backward "
                 "runs the layer's modules again inside the backward pass, on parameters ZeRO-3 has released",

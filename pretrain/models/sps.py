@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from data_tools.tokenizer import PREDICT_PIECE
 from kernels.attention import Mask
 from kernels.attention.masks import document_bounds
 from parallel.layers import gather_sequence, local_sequence
@@ -42,6 +43,7 @@ from pretrain.models import decoder
 from pretrain.models.base import continue_doc_ids, tokenizer_ids
 from pretrain.models.blocks import Block
 from pretrain.models.decoder import Decoder, DecoderConfig
+from pretrain.hf_remote.adapter import RemoteAdapter
 from pretrain.models.registry import ArchSpec, Support, register
 from pretrain.models.units import unit_modules
 
@@ -99,8 +101,6 @@ class SPSConfig(DecoderConfig):
         ids = tokenizer_ids(run)
         if ids is None:  # a missing file is the data check's to report
             return
-        from data_tools.tokenizer import PREDICT_PIECE
-
         path = run.data.tokenizer
         if ids["predict"] is None:
             raise ValueError(f"data.tokenizer {path} has no {PREDICT_PIECE} token, which model.arch=sps needs; train "
@@ -355,6 +355,7 @@ SPEC = register(ArchSpec(
     build=SPS,
     flops_per_token=flops_per_token,
     flops_formula=FLOPS_FORMULA,
+    hf=RemoteAdapter("sps"),  # --format hf: remote code generated from this file (pretrain/hf_remote)
     supports=Support(pp=True),
     pipeline_split=decoder.pipeline_split,
     activation_bytes=activation_bytes,
