@@ -95,6 +95,8 @@ def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tu
         spec = get_arch(cfg.model.arch)
         with torch.device(device):  # initialised, then overwritten by the checkpoint's weights
             model = spec.build(cfg.model)
+        if cfg.train.precision == "fp64":  # a numerical-check run's weights keep every digit at inference too
+            model = model.double()
         kw = dict(optimizer=None, restore_rng=False, expect_arch=cfg.model.arch, verify=cfg.checkpoint.verify,
                   log=log)
         if is_run:  # load_latest says why when it falls back past a corrupt checkpoint
