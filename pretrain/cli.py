@@ -68,6 +68,14 @@ def _add_training_verbs(verbs) -> None:
                    "--sweep model.n_loops=2,4,6,8,10,12,14,16 (CART's R') or --sweep model.eval_k=1,2,4,8 (CRT); "
                    "every value is checked before the first evaluation")
     e.add_argument("--json", action="store_true", help="print one JSON object (a list of them with --sweep)")
+    e.add_argument("--lm-eval", metavar="TASKS", help="run lm-evaluation-harness tasks (comma-separated, e.g. "
+                   "hellaswag,lambada_openai) on the model instead, at batch size 1, through its Hugging Face folder "
+                   "(a run or checkpoint is exported to a temporary one); prints the table and stores it beside PATH "
+                   "(RUN/lm_eval/step_N-TASKS.json, or FOLDER.lm_eval-TASKS.json); needs the [lm-eval] extra")
+    e.add_argument("--lm-eval-include", metavar="DIR", default="",
+                   help="a directory of task YAML files of your own for --lm-eval (the harness's --include_path)")
+    e.add_argument("--lm-eval-limit", metavar="N", type=float, default=None,
+                   help="at most N documents per task (a fraction when below 1): a quick check, not a score")
 
     g = _verb(verbs, "generate", "sample text from a checkpoint with a KV cache",
               "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40\n\n"
@@ -306,6 +314,27 @@ def _sweep(args) -> int:
     return 0
 
 
+def _lm_eval(args) -> int:
+    """`pretrain eval PATH --lm-eval TASKS` (pretrain/harness.py)."""
+    from pretrain.harness import run_harness
+
+    for flag, given in (("--sweep", args.sweep), ("--batches", args.batches), ("--unigram-entropy", args.unigram_entropy),
+                        ("overrides", args.overrides)):
+        if given:
+            raise ValueError(f"--lm-eval runs the harness's own tasks; it does not combine with {flag}")
+    if args.lm_eval_limit is not None and args.lm_eval_limit <= 0:
+        raise ValueError(f"--lm-eval-limit must be positive, got {args.lm_eval_limit:g}")
+    limit = int(args.lm_eval_limit) if args.lm_eval_limit and args.lm_eval_limit >= 1 else args.lm_eval_limit
+    out = run_harness(args.path, [t.strip() for t in args.lm_eval.split(",")], args.lm_eval_include, limit,
+                      log=(lambda *_: None) if args.json else print)
+    if args.json:
+        print(json.dumps({"results": out["results"], "stored": out["stored"]}, default=str))
+    else:
+        print(out["table"])
+        print(f"stored in {out['stored']}")
+    return 0
+
+
 def _eval(args) -> int:
     from pretrain.data.build import valid_dataset
     from pretrain.generate import load_for_inference
@@ -314,6 +343,8 @@ def _eval(args) -> int:
 
     if args.batches < 0:
         raise ValueError(f"--batches must be at least 1 (or left out for train.eval_batches), got {args.batches}")
+    if getattr(args, "lm_eval", None) is not None:
+        return _lm_eval(args)
     if getattr(args, "sweep", None):
         return _sweep(args)
     model, spec, cfg, _ = load_for_inference(args.path, overrides=args.overrides, need=("tokenizer", "eval"))
