@@ -8,6 +8,10 @@ hf`, load_folder() of the native folder, and load_for_inference() of the run for
 is the process's peak RSS (VmHWM) above its RSS once torch and the code are imported, in units of
 the weights' size: export must stay under 2.0 (the loaded checkpoint plus at most one more copy).
 Pages of a memory-mapped file that is read count as resident too (load_folder maps the folder).
+
+--weights-only: no training step; the model is built and saved as a weights-only checkpoint (as
+`pretrain import` writes one), for configs whose optimizer state does not fit this machine (sps/xl,
+1.68B parameters: 27 GB for weights, gradients and Adam). The export reads the weights alone either way.
 """
 from __future__ import annotations
 
@@ -57,10 +61,25 @@ def run(*args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def save_weights(cfg, run_dir: str) -> None:
+    """The model of `cfg` as built, saved as a weights-only checkpoint of step 0 with its config."""
+    from pretrain.checkpoint import SavedModel, save_checkpoint
+    from pretrain.config import to_yaml
+    from pretrain.models import get_arch
+
+    saved = SavedModel()
+    saved.state = get_arch(cfg.model.arch).build(cfg.model).state_dict()
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+    save_checkpoint(run_dir, 0, saved, None, {"consumed_samples": 0, "config": cfg.to_dict(), "tokenizer": None})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="baseline/xs")
     p.add_argument("--out", default="/tmp/bench_export")
+    p.add_argument("--weights-only", action="store_true", help="save the built model without a training step")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from pretrain.config import load_config
@@ -76,7 +95,10 @@ def main() -> None:
             "train.global_batch_seqs=2", "train.micro_batch_seqs=2", "train.compile=false", "train.eval_every=0",
             "checkpoint.every=1", "schedule.warmup_steps=0", "log.peak_tflops=1.0"]
     cfg = load_config(args.config, over)
-    Trainer(cfg, log=lambda *_: None).fit()
+    if args.weights_only:
+        save_weights(cfg, run_dir)
+    else:
+        Trainer(cfg, log=lambda *_: None).fit()
     ckpt = os.path.join(run_dir, "checkpoints")
     ckpt_mb = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(ckpt) for f in fs) / 2**20
     native, hf = os.path.join(args.out, "native"), os.path.join(args.out, "hf")

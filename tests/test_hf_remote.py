@@ -146,9 +146,8 @@ print("\n" + json.dumps({"logits": logits.tolist(), "dtype": str(logits.dtype), 
 """
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp64"])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_exported_folder_runs_in_transformers_alone(arch, precision, tmp_path, corpus):
+def check_in_transformers(python: str, arch: str, precision: str, tmp_path, corpus) -> None:
+    """Export a trained tiny run with --format hf and check it with transformers under `python` (see CHILD)."""
     extra = {"train.precision": "fp64"} if precision == "fp64" else {}
     run = train(tmp_path, corpus, arch, **extra)
     out = str(tmp_path / "hf")
@@ -164,10 +163,9 @@ def test_exported_folder_runs_in_transformers_alone(arch, precision, tmp_path, c
     model, spec, _, tok = load_for_inference(run, log=quiet)
     assert next(model.parameters()).dtype == (torch.float64 if precision == "fp64" else torch.float32)
     prompt = TOKENS[:1, :3]
-    child = subprocess.run([sys.executable, "-c", CHILD, out, json.dumps(TOKENS.tolist()), json.dumps(prompt.tolist())],
+    child = subprocess.run([python, "-c", CHILD, out, json.dumps(TOKENS.tolist()), json.dumps(prompt.tolist())],
                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=""), cwd=str(tmp_path))
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.strip(), child.stderr[-3000:]
     got = json.loads(child.stdout[child.stdout.rindex('\n{"logits"'):])
     with torch.no_grad():
         ours = spec.logits(model, TOKENS)
@@ -175,7 +173,9 @@ def test_exported_folder_runs_in_transformers_alone(arch, precision, tmp_path, c
     assert got["dtype"] == str(ours.dtype) and got["banned"] == []
     bound = 1e-10 if precision == "fp64" else 1e-5 * ours.abs().max().item()
     assert (theirs - ours.double()).abs().max().item() <= bound
-    assert got["greedy"] == generate(model, spec, prompt.tolist(), 8, temperature=0)
+    assert got["greedy"] == generate(model, spec, prompt.tolist(), 8, temperature=0, pad_id=tok.pad_id)
+    suppressed = json.load(open(os.path.join(out, "generation_config.json"))).get("suppress_tokens", [])
+    assert set(spec.internal_tokens(model.cfg).values()) <= set(suppressed)  # SPS's <predict>, as ours
     assert got["sampled"] == 11
     assert "padded" in got["refusals"][0] and "beam search" in got["refusals"][1]
     assert got["tokenizer"] == tok.encode("t5 t9")
@@ -186,6 +186,37 @@ def test_exported_folder_runs_in_transformers_alone(arch, precision, tmp_path, c
     assert cfg.model == model.cfg
     for (name, a), (_, b) in zip(model.state_dict().items(), imported.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp64"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exported_folder_runs_in_transformers_alone(arch, precision, tmp_path, corpus):
+    check_in_transformers(sys.executable, arch, precision, tmp_path, corpus)
+
+
+TRANSFORMERS_4 = "4.57.6"
+
+
+@pytest.fixture(scope="session")
+def transformers_4():
+    """A virtual environment with torch 2.13.0 and transformers 4.57 only (kept in /tmp between runs)."""
+    venv = f"/tmp/pretrain-transformers-{TRANSFORMERS_4}"
+    python = os.path.join(venv, "bin", "python")
+    probe = [python, "-c", "import transformers, torch; print(transformers.__version__)"]
+    if not (os.path.exists(python) and subprocess.run(probe, capture_output=True, text=True).stdout.strip()
+            == TRANSFORMERS_4):
+        subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+        for spec in ("torch==2.13.0", f"transformers=={TRANSFORMERS_4}"):
+            done = subprocess.run([python, "-m", "pip", "install", "-q", spec], capture_output=True, text=True)
+            if done.returncode:
+                pytest.skip(f"could not install {spec} into a fresh virtual environment: {done.stderr[-300:]}")
+    return python
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_4_loads_the_same_folders(arch, tmp_path, corpus, transformers_4):
+    check_in_transformers(transformers_4, arch, "fp32", tmp_path, corpus)
 
 
 def test_a_remote_folder_that_does_not_match_its_config_is_refused(tmp_path, corpus):

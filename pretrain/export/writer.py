@@ -109,7 +109,8 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
         if fmt == "hf":
             _write_json(os.path.join(tmp, CONFIG_FILE), spec.hf.hf_config(cfg.model, dtype_name, tok))
-            _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(tok, SAMPLING))
+            _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(
+                tok, SAMPLING, tuple(spec.internal_tokens(cfg.model).values())))
             for name, text in getattr(spec.hf, "remote_files", dict)().items():  # trust_remote_code's files
                 with open(os.path.join(tmp, name), "w") as f:
                     f.write(text)

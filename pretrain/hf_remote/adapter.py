@@ -41,17 +41,17 @@ class RemoteAdapter:
         from pretrain.models import meta_model
 
         ids = tok.special_ids() if tok is not None else {}
-        tied = bool(_aliases(meta_model(cfg)))
+        aliases = _aliases(meta_model(cfg))
         return {"architectures": [self.hf_class], "model_type": self.model_type, "auto_map": self.auto_map,
-                "pretrain_model": dataclasses.asdict(cfg), "vocab_size": cfg.vocab_size,
-                "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": tied,
+                "pretrain_model": dataclasses.asdict(cfg), "pretrain_aliases": aliases, "vocab_size": cfg.vocab_size,
+                "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": bool(aliases),
                 "bos_token_id": ids.get("bos"), "eos_token_id": tok.eod_id if tok is not None else None,
                 "pad_token_id": ids.get("pad"), "torch_dtype": dtype, "use_cache": True}
 
-    def generation_config(self, tok, sampling: dict) -> dict:
+    def generation_config(self, tok, sampling: dict, never: tuple = ()) -> dict:
         from pretrain.models.hf_llama import ADAPTER
 
-        return ADAPTER.generation_config(tok, sampling)
+        return ADAPTER.generation_config(tok, sampling, never)
 
     def write_tokenizer(self, folder: str, path: str, tok) -> list[str]:
         from pretrain.models.hf_llama import ADAPTER  # the same files as the baseline's Llama folder

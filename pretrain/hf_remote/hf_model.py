@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import transformers
-from torch import nn
 from torch.nn import functional as F
 from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
@@ -35,8 +34,9 @@ _V5 = int(transformers.__version__.split(".")[0]) >= 5
 class PretrainHFConfig(PretrainedConfig):
     model_type = "pretrain"
 
-    def __init__(self, pretrain_model: dict | None = None, **kwargs):
+    def __init__(self, pretrain_model: dict | None = None, pretrain_aliases: dict | None = None, **kwargs):
         self.pretrain_model = dict(pretrain_model or {})
+        self.pretrain_aliases = dict(pretrain_aliases or {})  # {weight name: the name it is tied to}
         kwargs.setdefault("vocab_size", self.pretrain_model.get("vocab_size"))
         kwargs.setdefault("max_position_embeddings", self.pretrain_model.get("max_seq_len"))
         super().__init__(**kwargs)
@@ -63,17 +63,6 @@ def _refuse_padding(attention_mask) -> None:
                          "at a time (lm-evaluation-harness: batch_size=1)")
 
 
-def _aliases(model: nn.Module) -> dict[str, str]:
-    """{name: first name} of every parameter the model holds under a second name (a tied head)."""
-    first, aliases = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
-
-
 class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "pretrain"
     main_input_name = "input_ids"
@@ -90,7 +79,8 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
         # the meta device and re-creates the buffers that the folder does not hold, then asks _init_weights
         self._built = {id(m): {n: b.detach().clone() for n, b in m._buffers.items()
                                if b is not None and n in m._non_persistent_buffers_set} for m in self.model.modules()}
-        self._tied = {f"model.{k}": f"model.{v}" for k, v in _aliases(self.model).items()}  # {alias: source}
+        # {alias: source}: from the config, as identity does not survive transformers 4's meta-device init
+        self._tied = {f"model.{k}": f"model.{v}" for k, v in config.pretrain_aliases.items()}
         self._tied_weights_keys = dict(self._tied) if _V5 else list(self._tied)
         self.post_init()
 
@@ -143,6 +133,15 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
             model_kwargs["attention_mask"] = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         return model_kwargs
 
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1) > 1:
+            raise ValueError(BEAMS)
+        return super().generate(*args, **kwargs)
+
     def _reorder_cache(self, *args, **kwargs):
-        raise ValueError("beam search is not supported: the model's state cannot be reordered (num_beams=1)")
+        raise ValueError(BEAMS)
+
+
+BEAMS = "beam search is not supported: the model's state cannot be reordered (num_beams=1)"
 

@@ -67,10 +67,15 @@ class LlamaAdapter:
             "pad_token_id": ids.get("pad"), "torch_dtype": dtype, "use_cache": True,
         }
 
-    def generation_config(self, tok, sampling: dict) -> dict:
+    def generation_config(self, tok, sampling: dict, never: tuple = ()) -> dict:
+        """transformers' generation defaults: the tokenizer's ids, our sampling values, and the tokens
+        `pretrain generate` never samples (`never`: the architecture's internal tokens; and the pad token
+        unless it is the EOS) as suppress_tokens, so that both decode the same."""
         ids = tok.special_ids() if tok is not None else {}
-        return {"bos_token_id": ids.get("bos"), "eos_token_id": tok.eod_id if tok is not None else None,
-                "pad_token_id": ids.get("pad"), "do_sample": True, **sampling}
+        eos = tok.eod_id if tok is not None else None
+        never = sorted(set(never) | ({ids["pad"]} if ids.get("pad") is not None and ids["pad"] != eos else set()))
+        return {"bos_token_id": ids.get("bos"), "eos_token_id": eos, "pad_token_id": ids.get("pad"),
+                "do_sample": True, **({"suppress_tokens": never} if never else {}), **sampling}
 
     def weights_to_hf(self, cfg, state: dict) -> dict[str, tuple[tuple, Callable[[], Tensor]]]:
         """{HF name: (shape, a function making the tensor)}: converted one at a time, when written."""

@@ -15,8 +15,9 @@ from transformers import PretrainedConfig
 class PretrainHFConfig(PretrainedConfig):
     model_type = "pretrain"
 
-    def __init__(self, pretrain_model: dict | None = None, **kwargs):
+    def __init__(self, pretrain_model: dict | None = None, pretrain_aliases: dict | None = None, **kwargs):
         self.pretrain_model = dict(pretrain_model or {})
+        self.pretrain_aliases = dict(pretrain_aliases or {})  # {weight name: the name it is tied to}
         kwargs.setdefault("vocab_size", self.pretrain_model.get("vocab_size"))
         kwargs.setdefault("max_position_embeddings", self.pretrain_model.get("max_seq_len"))
         super().__init__(**kwargs)

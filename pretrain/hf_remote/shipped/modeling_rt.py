@@ -1701,17 +1701,6 @@ def _refuse_padding(attention_mask) -> None:
                          "at a time (lm-evaluation-harness: batch_size=1)")
 
 
-def _aliases(model: nn.Module) -> dict[str, str]:
-    """{name: first name} of every parameter the model holds under a second name (a tied head)."""
-    first, aliases = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
-
-
 class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "pretrain"
     main_input_name = "input_ids"
@@ -1728,7 +1717,8 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
         # the meta device and re-creates the buffers that the folder does not hold, then asks _init_weights
         self._built = {id(m): {n: b.detach().clone() for n, b in m._buffers.items()
                                if b is not None and n in m._non_persistent_buffers_set} for m in self.model.modules()}
-        self._tied = {f"model.{k}": f"model.{v}" for k, v in _aliases(self.model).items()}  # {alias: source}
+        # {alias: source}: from the config, as identity does not survive transformers 4's meta-device init
+        self._tied = {f"model.{k}": f"model.{v}" for k, v in config.pretrain_aliases.items()}
         self._tied_weights_keys = dict(self._tied) if _V5 else list(self._tied)
         self.post_init()
 
@@ -1781,8 +1771,17 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
             model_kwargs["attention_mask"] = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
         return model_kwargs
 
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1) > 1:
+            raise ValueError(BEAMS)
+        return super().generate(*args, **kwargs)
+
     def _reorder_cache(self, *args, **kwargs):
-        raise ValueError("beam search is not supported: the model's state cannot be reordered (num_beams=1)")
+        raise ValueError(BEAMS)
+
+
+BEAMS = "beam search is not supported: the model's state cannot be reordered (num_beams=1)"
 
 
 
