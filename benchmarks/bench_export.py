@@ -80,6 +80,7 @@ def main() -> None:
     p.add_argument("--config", default="baseline/xs")
     p.add_argument("--out", default="/tmp/bench_export")
     p.add_argument("--weights-only", action="store_true", help="save the built model without a training step")
+    p.add_argument("overrides", nargs="*", help="config overrides (sps/xl: schedule.total_tokens=0)")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from pretrain.config import load_config
@@ -94,7 +95,7 @@ def main() -> None:
             f"data.cache_dir={args.out}/cache", "data.num_workers=0", f"train.run_dir={run_dir}", "train.max_steps=1",
             "train.global_batch_seqs=2", "train.micro_batch_seqs=2", "train.compile=false", "train.eval_every=0",
             "checkpoint.every=1", "schedule.warmup_steps=0", "log.peak_tflops=1.0"]
-    cfg = load_config(args.config, over)
+    cfg = load_config(args.config, over + args.overrides)
     if args.weights_only:
         save_weights(cfg, run_dir)
     else:

@@ -19,7 +19,6 @@ import types
 
 import pytest
 import torch
-import yaml
 
 from pretrain.export.importer import import_run
 from pretrain.export.writer import export

@@ -9,7 +9,6 @@ once), the tokenizer as the baseline's Llama folder has it. `pretrain import` re
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable
 
 from torch import Tensor
@@ -119,8 +118,3 @@ def _aliases(model) -> dict[str, str]:
 
     return tied_aliases(model)
 
-
-def shipped_exists(arch: str) -> bool:
-    from pretrain.hf_remote.generate import SHIPPED, file_names
-
-    return all(os.path.isfile(os.path.join(SHIPPED, n)) for n in file_names(arch))

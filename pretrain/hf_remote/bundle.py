@@ -194,7 +194,12 @@ class Bundle:
                 bound = m.imports.get(n.value.id)
                 if bound is not None and bound[0] == "module" and n.value.id not in m.defs:
                     target = self.resolve(bound[1], n.attr)
-            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in skip:
+            elif isinstance(n, ast.Name) and id(n) in skip:  # an annotation: its imports and type aliases, for readers
+                if m.imports.get(n.id, ("",))[0] == "external":
+                    p.externals.add(m.imports[n.id][1])
+                elif isinstance(m.defs.get(n.id), ast.Assign) and n.id != name:
+                    p.deps.add((module, n.id))
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
                 if n.id in m.defs:
                     target = self.resolve(module, n.id)
                 elif n.id in m.imports:
@@ -241,9 +246,12 @@ class Bundle:
         pieces = self.close(roots)
         names: dict[tuple, str] = {}
         taken: dict[str, tuple] = {}
-        externals = sorted({e for p in pieces for e in p.externals})
-        for e in externals:
-            taken[e.split(" as ")[-1].split()[-1]] = ("external", e)
+        externals = []
+        for e in sorted({e for p in pieces for e in p.externals}):
+            bound = e.split(" as ")[-1].split()[-1]  # one line per bound name (F: two spellings of one module)
+            if bound not in taken:
+                taken[bound] = ("external", e)
+                externals.append(e)
         for p in pieces:
             out = p.name
             if out in taken:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from torch import Tensor
 from torch import nn
 from torch.nn import functional as F
 from transformers import GenerationMixin
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
+from typing import Any
 import math
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers
 
 

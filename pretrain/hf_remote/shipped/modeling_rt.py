@@ -9,20 +9,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from dataclasses import field
 from dataclasses import replace
+from torch import Tensor
 from torch import nn
 from torch.nn import functional as F
 from transformers import GenerationMixin
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
+from typing import Any
+from typing import Callable
 from typing import NamedTuple
 import math
 import numpy as np
 import torch
-import torch.nn.functional as F
 import transformers
 
 
 # ------------------------------ kernels/attention/masks.py ----------------------------------
+
+
+Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def _indices(B: int, H: int, Tq: int, Tk: int, offset: int, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
