@@ -107,7 +107,8 @@ def main() -> None:
             ("load_folder (native)", run("load_folder", native, "-")),
             ("load_for_inference (run)", run("load_run", run_dir, "-"))]
     weights_mb = os.path.getsize(os.path.join(native, "model.safetensors")) / 2**20
-    print(f"# {args.config}: weights {weights_mb:.1f} MiB (fp32); checkpoint with optimizer state {ckpt_mb:.1f} MiB")
+    kind = "weights only" if args.weights_only else "with optimizer state"
+    print(f"# {args.config}: weights {weights_mb:.1f} MiB (fp32); checkpoint ({kind}) {ckpt_mb:.1f} MiB")
     print(f"{'':28s} {'seconds':>8s} {'peak RSS above start (MiB)':>27s} {'in weights':>11s}")
     for name, r in rows:
         extra = r["peak_mb"] - r["start_mb"]

@@ -71,7 +71,7 @@ def main() -> None:
     archs = args.arch or [s.name for s in all_archs() if s.hf.model_type]
     tmp = tempfile.mkdtemp(prefix="bench_hf_generate-")
     print(f"# greedy, batch 1, prompt 16 + {args.new} new tokens, {args.threads} thread(s); tiny configs")
-    print(f"{'arch':9s} {'ours tok/s':>10s} {'HF tok/s':>9s} {'HF/ours':>8s} {'ours growth':>12s} {'HF growth':>10s}  same")
+    print(f"{'arch':9s} {'ours tok/s':>10s} {'HF tok/s':>9s} {'HF/ours speed':>14s} {'ours growth':>12s} {'HF growth':>10s}  same")
     try:
         for arch in archs:
             run, folder = folder_of(arch, tmp)
@@ -105,7 +105,7 @@ def main() -> None:
                 if t < best["hf"][0]:
                     best["hf"] = (t, growth(stamp.stamps[1:]), out[0, 16:].tolist())
             (to, go, ours), (th, gh, theirs) = best["ours"], best["hf"]
-            print(f"{arch:9s} {args.new / to:10.1f} {args.new / th:9.1f} {to / th:8.2f} {go:12.2f} {gh:10.2f}  "
+            print(f"{arch:9s} {args.new / to:10.1f} {args.new / th:9.1f} {to / th:14.2f} {go:12.2f} {gh:10.2f}  "
                   f"{'yes' if ours == theirs else 'NO'}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -232,3 +232,15 @@ def test_a_remote_folder_that_does_not_match_its_config_is_refused(tmp_path, cor
         with pytest.raises(ValueError, match=message):
             import_run(out, str(tmp_path / "again"), log=quiet)
         assert not os.path.exists(tmp_path / "again")
+
+
+def test_without_the_harness_lm_eval_is_one_sentence(tmp_path, monkeypatch, capsys):
+    import importlib.util as util
+
+    from pretrain.cli import main
+
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    assert main(["eval", str(tmp_path), "--lm-eval", "hellaswag"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--lm-eval needs lm-evaluation-harness" in err[0] and "[lm-eval] extra" in err[0]
