@@ -75,7 +75,7 @@ def _add_training_verbs(verbs) -> None:
     e.add_argument("--lm-eval-include", metavar="DIR", default="",
                    help="a directory of task YAML files of your own for --lm-eval (the harness's --include_path)")
     e.add_argument("--lm-eval-limit", metavar="N", type=float, default=None,
-                   help="at most N documents per task (a fraction when below 1): a quick check, not a score")
+                   help="N > 0: at most N documents per task (a fraction of them when below 1): a quick check, not a score")
 
     g = _verb(verbs, "generate", "sample text from a checkpoint with a KV cache",
               "example:\n  pretrain generate runs/quickstart --prompt 'The list type' --max-tokens 60 --top-k 40\n\n"
