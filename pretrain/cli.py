@@ -103,13 +103,14 @@ def _add_folder_verbs(verbs) -> None:
                    "checkpoint directory")
     x.add_argument("out", metavar="OUT", help="the folder to write")
     x.add_argument("--format", choices=("native", "hf"), default="native",
-                   help="native (every architecture; default) or hf (LlamaForCausalLM; the baseline)")
+                   help="native (default) or hf: a folder transformers loads (the baseline as LlamaForCausalLM; "
+                   "the others with their own generated code, trust_remote_code=True); every architecture")
     x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="",
                    help="weights' dtype in the folder (default: the checkpoint's)")
     x.add_argument("--tokenizer", default="", help="the tokenizer to ship (default: the run's)")
     x.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
-    m = _verb(verbs, "import", "turn a Hugging Face Llama folder, an exported folder or a run into a run "
+    m = _verb(verbs, "import", "turn a Hugging Face folder (Llama, or one of ours), an exported folder or a run into a run "
               "directory to fine-tune (optionally converted into another architecture)", _IMPORT_HELP)
     m.add_argument("source", metavar="SOURCE", help="an HF folder, an exported folder, or a run/checkpoint directory")
     m.add_argument("out", metavar="OUT_RUN", help="the run directory to write")

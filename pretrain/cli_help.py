@@ -91,6 +91,7 @@ _INFERENCE_OVERRIDES = ("dotted overrides of the stored config for what may chan
 _EXPORT_HELP = """examples:
   pretrain export runs/xs-web exports/xs-web                    # native folder, any architecture
   pretrain export runs/xs-web exports/xs-web-hf --format hf     # transformers.LlamaForCausalLM (baseline)
+  pretrain export runs/sps-s exports/sps-s-hf --format hf       # AutoModelForCausalLM, trust_remote_code=True
   pretrain export runs/xs-web/checkpoints/step_00002000 exports/xs-2000 --dtype bfloat16
 
 The folder holds model.safetensors (the single-device model's tensors, by name), config.json (the
