@@ -1735,7 +1735,7 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
     def tie_weights(self, *args, **kwargs):
         if _V5:  # transformers 5 ties by `_tied_weights_keys` {alias: source} itself
             return super().tie_weights(*args, **kwargs)
-        for name, source in self._tied.items():  # 4.x ties input and output embeddings only: every alias here
+        for name, source in self._tied.items():  # 4.x ties only what get_output_embeddings names: every alias
             owner, _, leaf = name.rpartition(".")
             setattr(self.get_submodule(owner), leaf, self.get_parameter(source))
 
