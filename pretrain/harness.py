@@ -74,7 +74,7 @@ def source_kind(path: str) -> str:
 
 def results_path(path: str, kind: str, tasks: list[str], step: int | None) -> str:
     """Where the results are stored (the module docstring's table)."""
-    tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", "+".join(tasks))[:120]
+    tag = re.sub(r"[^A-Za-z0-9_.+-]+", "_", "+".join(tasks))[:120]
     folder = os.path.normpath(path)
     if kind in ("hf", "native"):
         return f"{folder}.lm_eval-{tag}.json"
