@@ -29,8 +29,9 @@ class RemoteAdapter:
         self.auto_map = {"AutoConfig": f"{self.files[0][:-3]}.{self.config_class}",
                          "AutoModelForCausalLM": f"{self.files[1][:-3]}.{self.hf_class}"}
         self.load_line = ("transformers.AutoModelForCausalLM.from_pretrained(FOLDER, trust_remote_code=True)\n"
+                          "transformers.AutoTokenizer.from_pretrained(FOLDER, trust_remote_code=True)\n"
                           "# torch and transformers only; batch size 1 or unpadded batches, greedy or sampling")
-        self.layout = "remote code for transformers (trust_remote_code)"
+        self.layout = "its own code, for transformers' trust_remote_code"
 
     # -- export ------------------------------------------------------------------------------
     def check_export(self, cfg) -> None:
