@@ -64,10 +64,11 @@ def source_kind(path: str) -> str:
     if os.path.isfile(config):
         try:
             with open(config) as f:
-                if isinstance(json.load(f).get("model_type"), str):
-                    return "hf"
-        except (OSError, ValueError, AttributeError):
-            pass
+                hf = json.load(f)
+        except (OSError, ValueError):
+            raise ValueError(f"{config} is not readable JSON (a Hugging Face folder's config)") from None
+        if isinstance(hf, dict) and isinstance(hf.get("model_type"), str):
+            return "hf"
     _, is_run = checkpoint_to_read(path)  # FileNotFoundError / ValueError naming what the path is not
     return "run" if is_run else "checkpoint"
 

@@ -35,7 +35,7 @@ class ColumnLinear(nn.Linear):
 
 
 class RowLinear(ColumnLinear):
-    pass
+    """nn.Linear too (tensor parallelism splits it by input features; one device holds it whole)."""
 
 
 class VocabEmbedding(nn.Embedding):

@@ -498,7 +498,7 @@ def mark_tied(p: nn.Parameter, canonical: str) -> None:
 
 
 class RowLinear(ColumnLinear):
-    pass
+    """nn.Linear too (tensor parallelism splits it by input features; one device holds it whole)."""
 
 
 class VocabEmbedding(nn.Embedding):
