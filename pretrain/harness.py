@@ -29,6 +29,8 @@ import re
 import shutil
 import tempfile
 
+from data_tools.files import atomic_write
+
 INSTALL = "pip install 'lm-eval[hf]>=0.4.5' (this package's [lm-eval] extra)"
 
 
@@ -108,7 +110,7 @@ def run_harness(path: str, tasks: list[str], include_path: str = "", limit: floa
         raise ValueError("--lm-eval takes a comma-separated list of task names, e.g. --lm-eval hellaswag,lambada_openai")
     manager = task_manager(tasks, include_path)
     kind = source_kind(path)
-    tmp = tempfile.mkdtemp(prefix=".lm_eval-", dir=os.path.dirname(os.path.abspath(path)) or ".")
+    tmp = None if kind == "hf" else tempfile.mkdtemp(prefix=".lm_eval-", dir=os.path.dirname(os.path.abspath(path)))
     try:
         folder, step = _hf_folder(path, kind, tmp, log)
         import lm_eval
@@ -118,7 +120,8 @@ def run_harness(path: str, tasks: list[str], include_path: str = "", limit: floa
                                       tasks=tasks, batch_size=1, device=device, limit=limit, log_samples=False,
                                       task_manager=manager)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     table = make_table(out)
     stored = results_path(path, kind, tasks, step)
     record = {"source": os.path.abspath(path), "kind": kind, "step": step, "tasks": tasks,
@@ -126,8 +129,5 @@ def run_harness(path: str, tasks: list[str], include_path: str = "", limit: floa
               "config": {k: v for k, v in (out.get("config") or {}).items() if k != "model_args"},
               "lm_eval_version": getattr(lm_eval, "__version__", None)}
     os.makedirs(os.path.dirname(stored) or ".", exist_ok=True)
-    partial = stored + ".tmp"
-    with open(partial, "w") as f:
-        json.dump(record, f, indent=2, default=str)
-    os.replace(partial, stored)
+    atomic_write(stored, json.dumps(record, indent=2, default=str))
     return {"table": table, "results": out.get("results"), "stored": stored}

@@ -80,6 +80,7 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
 
     from pretrain.export.source import atomic_folder, check_output, read_checkpoint, tied_aliases
     from pretrain.export.tensorfile import write_safetensors
+    from pretrain.generate import never_sampled
     from pretrain.models import count_parameters, meta_model
 
     if fmt not in ("native", "hf"):
@@ -109,8 +110,8 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
         if fmt == "hf":
             _write_json(os.path.join(tmp, CONFIG_FILE), spec.hf.hf_config(cfg.model, dtype_name, tok))
-            _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(
-                tok, SAMPLING, tuple(spec.internal_tokens(cfg.model).values())))
+            suppress = never_sampled(spec, cfg.model, tok.eod_id if tok else None, tok.pad_id if tok else None)
+            _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(tok, SAMPLING, suppress))
             for name, text in getattr(spec.hf, "remote_files", dict)().items():  # trust_remote_code's files
                 with open(os.path.join(tmp, name), "w") as f:
                     f.write(text)
@@ -224,9 +225,8 @@ def model_card(cfg, counts: dict, ck, metrics: dict, fmt: str, dtype: str, tok_f
     name = os.path.basename(os.path.normpath(ck.run_dir))
     val = (f"{metrics['val_loss']:.4f} nats/token (perplexity {math.exp(min(metrics['val_loss'], 50)):.2f}) "
            f"at step {metrics['val_step']}") if "val_loss" in metrics else "not evaluated during training"
-    hf_load = getattr(adapter, "load_line", "transformers.LlamaForCausalLM.from_pretrained(FOLDER)  # local files only")
-    layout = getattr(adapter, "layout", "Hugging Face Llama layout") if fmt == "hf" else "native format"
-    load = (hf_load if fmt == "hf" else
+    layout = adapter.layout if fmt == "hf" else "native format"
+    load = (adapter.load_line if fmt == "hf" else
             "pretrain generate FOLDER --prompt '...'   |   pretrain eval FOLDER data.valid=[PREFIX]\n"
             "from pretrain.export import load_folder; model, spec, cfg, tokenizer = load_folder(FOLDER)")
     model_yaml = to_yaml(cfg).split("\nparallel:")[0]  # the model section comes first

@@ -48,10 +48,10 @@ class RemoteAdapter:
                 "bos_token_id": ids.get("bos"), "eos_token_id": tok.eod_id if tok is not None else None,
                 "pad_token_id": ids.get("pad"), "torch_dtype": dtype, "use_cache": True}
 
-    def generation_config(self, tok, sampling: dict, never: tuple = ()) -> dict:
-        from pretrain.models.hf_llama import ADAPTER
+    def generation_config(self, tok, sampling: dict, suppress: list = ()) -> dict:
+        from pretrain.models.hf_llama import ADAPTER  # the same file as the baseline's Llama folder
 
-        return ADAPTER.generation_config(tok, sampling, never)
+        return ADAPTER.generation_config(tok, sampling, suppress)
 
     def write_tokenizer(self, folder: str, path: str, tok) -> list[str]:
         from pretrain.models.hf_llama import ADAPTER  # the same files as the baseline's Llama folder

@@ -45,6 +45,8 @@ def _layer_names(i: int) -> dict[str, str]:
 class LlamaAdapter:
     model_type = "llama"
     hf_class = "LlamaForCausalLM"
+    layout = "Hugging Face Llama layout"  # the model card's words for the folder, and how to load it
+    load_line = "transformers.LlamaForCausalLM.from_pretrained(FOLDER)  # local files only"
 
     # -- export ------------------------------------------------------------------------------
     def check_export(self, cfg) -> None:
@@ -67,15 +69,13 @@ class LlamaAdapter:
             "pad_token_id": ids.get("pad"), "torch_dtype": dtype, "use_cache": True,
         }
 
-    def generation_config(self, tok, sampling: dict, never: tuple = ()) -> dict:
-        """transformers' generation defaults: the tokenizer's ids, our sampling values, and the tokens
-        `pretrain generate` never samples (`never`: the architecture's internal tokens; and the pad token
-        unless it is the EOS) as suppress_tokens, so that both decode the same."""
+    def generation_config(self, tok, sampling: dict, suppress: list = ()) -> dict:
+        """transformers' generation defaults: the tokenizer's ids, our sampling values, and the ids
+        `pretrain generate` never samples (pretrain.generate.never_sampled) as suppress_tokens."""
         ids = tok.special_ids() if tok is not None else {}
-        eos = tok.eod_id if tok is not None else None
-        never = sorted(set(never) | ({ids["pad"]} if ids.get("pad") is not None and ids["pad"] != eos else set()))
-        return {"bos_token_id": ids.get("bos"), "eos_token_id": eos, "pad_token_id": ids.get("pad"),
-                "do_sample": True, **({"suppress_tokens": never} if never else {}), **sampling}
+        return {"bos_token_id": ids.get("bos"), "eos_token_id": tok.eod_id if tok is not None else None,
+                "pad_token_id": ids.get("pad"), "do_sample": True,
+                **({"suppress_tokens": list(suppress)} if suppress else {}), **sampling}
 
     def weights_to_hf(self, cfg, state: dict) -> dict[str, tuple[tuple, Callable[[], Tensor]]]:
         """{HF name: (shape, a function making the tensor)}: converted one at a time, when written."""
