@@ -26,16 +26,6 @@ def filter_logits(logits: Tensor, temperature: float, top_k: int, top_p: float) 
 
 
 @torch.no_grad()
-def never_sampled(spec, model_cfg, eos_id: int | None, pad_id: int | None) -> list[int]:
-    """The ids generation never samples: those the architecture uses internally (SPS's <predict>,
-    spec-001 §2.6) and padding, unless the pad token doubles as EOS. An exported HF folder suppresses
-    the same ids (its generation_config's suppress_tokens), so that both decode alike."""
-    never = set(spec.internal_tokens(model_cfg).values())
-    if pad_id is not None and pad_id != eos_id:
-        never.add(pad_id)
-    return sorted(never)
-
-
 def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None,
              pad_id: int | None = None) -> list[list[int]]:
@@ -46,7 +36,7 @@ def generate(model, spec, prompt: list[list[int]], max_tokens: int, temperature:
     device = next(model.parameters()).device
     tokens = torch.tensor(prompt, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    never = never_sampled(spec, model.cfg, eos_id, pad_id)
+    never = spec.never_sampled(model.cfg, eos_id, pad_id)
     state = spec.new_state(model, tokens.shape[0])
     logits, state = spec.step(model, tokens, state)
     out = [[] for _ in prompt]

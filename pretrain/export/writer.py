@@ -80,7 +80,6 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
 
     from pretrain.export.source import atomic_folder, check_output, read_checkpoint, tied_aliases
     from pretrain.export.tensorfile import write_safetensors
-    from pretrain.generate import never_sampled
     from pretrain.models import count_parameters, meta_model
 
     if fmt not in ("native", "hf"):
@@ -110,7 +109,7 @@ def export(source: str, out: str, fmt: str = "native", dtype: str = "", force: b
         tok_files = _copy_tokenizer(tmp, tok_path, tok, fmt, spec)
         if fmt == "hf":
             _write_json(os.path.join(tmp, CONFIG_FILE), spec.hf.hf_config(cfg.model, dtype_name, tok))
-            suppress = never_sampled(spec, cfg.model, tok.eod_id if tok else None, tok.pad_id if tok else None)
+            suppress = spec.never_sampled(cfg.model, tok.eod_id if tok else None, tok.pad_id if tok else None)
             _write_json(os.path.join(tmp, GENERATION_FILE), spec.hf.generation_config(tok, SAMPLING, suppress))
             for name, text in getattr(spec.hf, "remote_files", dict)().items():  # trust_remote_code's files
                 with open(os.path.join(tmp, name), "w") as f:

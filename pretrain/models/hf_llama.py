@@ -71,7 +71,7 @@ class LlamaAdapter:
 
     def generation_config(self, tok, sampling: dict, suppress: list = ()) -> dict:
         """transformers' generation defaults: the tokenizer's ids, our sampling values, and the ids
-        `pretrain generate` never samples (pretrain.generate.never_sampled) as suppress_tokens."""
+        `pretrain generate` never samples (ArchSpec.never_sampled) as suppress_tokens."""
         ids = tok.special_ids() if tok is not None else {}
         return {"bos_token_id": ids.get("bos"), "eos_token_id": tok.eod_id if tok is not None else None,
                 "pad_token_id": ids.get("pad"), "do_sample": True,

@@ -203,6 +203,15 @@ class ArchSpec:
         """Every policy by name as a Recompute, "full" included (the first named one, or the single one)."""
         return dict(self._policies)
 
+    def never_sampled(self, model_cfg, eos_id: int | None, pad_id: int | None) -> list[int]:
+        """The ids generation never samples: those the architecture uses internally (SPS's <predict>,
+        spec-001 §2.6) and padding, unless the pad token doubles as EOS. An exported HF folder suppresses
+        the same ids (its generation_config's suppress_tokens), so that both decode alike."""
+        never = set(self.internal_tokens(model_cfg).values())
+        if pad_id is not None and pad_id != eos_id:
+            never.add(pad_id)
+        return sorted(never)
+
     @property
     def converts(self) -> bool:
         """Whether a run may start from another architecture's weights (a `convert` of its own)."""
