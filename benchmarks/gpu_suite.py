@@ -1,0 +1,423 @@
+"""The GPU suite: every architecture's paper config trained by the real `pretrain train` on one GPU, with
+Hugging Face's Llama beside the baseline, in two parts of a few minutes each (GPU time comes in short
+windows: run one part before a change and again after it).
+
+    bash benchmarks/gpu_suite.sh --part transformer --out /tmp/suite        # on the GPU machine
+    python benchmarks/gpu_suite.py --part all --dry-run --out /tmp/suite    # CPU, tiny shapes (CI)
+
+Parts:
+  transformer  baseline/s with and without document masks and HF Llama at its shape, baseline/m,
+               sps/s, cart/d1024-r6 and its Dense partner dense-7l, crt/owt-crt-d5-c1024 and the
+               RoFormer of its width (owt-roformer-n12-c1024)
+  serial       rt/300m-12l and rt/t-300m-12l, gpn/gpn-m-130m
+
+Each row is a subprocess `pretrain train` on data the suite writes itself (random tokens in documents
+of ~1,000 tokens, with a small tokenizer.json naming the special tokens), one micro batch per step,
+constant lr, log_every=1. Figures are medians over the steps after --warmup: input tokens/s, TFLOP/s
+and MFU by the registry's flops_per_token, the peak memory the trainer logs, compile time (the first
+step's time beyond a steady step), and the attention path that ran. Each row has a time cap (--cap);
+a row that passes it is marked and the suite goes on. The table is written to OUT/suite_<part>.md
+(and .json) and, with --append FILE, appended to FILE with the device, torch, Triton, commit and date.
+--profile ROW captures a torch.profiler table of a few steps of that row (OUT/profile_<row>.txt).
+--dry-run checks every row's real config and overrides, then trains each architecture's tiny config
+for a few steps on the CPU through the same machinery (the HF row at the tiny width).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EOD, PREDICT = 2, 4  # the suite's tokenizer: <unk> <s> </s> <pad> <predict>, then ordinary tokens
+
+
+@dataclass
+class Row:
+    name: str
+    config: str
+    overrides: list[str] = field(default_factory=list)
+    micro: int = 0  # sequences per micro batch (= per step); 0: the config's
+    compile: bool = True  # False: eager although the config compiles (the note says why)
+    note: str = ""
+    hf: bool = False  # Hugging Face Llama at this row's shape, same batch, run right after it
+
+
+NOMASK = ["model.document_mask=false"]
+PARTS = {
+    "transformer": [
+        Row("baseline/s no-mask", "baseline/s", NOMASK, hf=True, note="plain causal: like for like with HF"),
+        Row("baseline/s", "baseline/s"),
+        Row("baseline/m no-mask", "baseline/m", NOMASK),
+        Row("sps/s", "sps/s", [f"model.predict_id={PREDICT}", f"model.eos_id={EOD}"]),
+        Row("cart/d1024-r6", "cart/d1024-r6", micro=32),
+        Row("cart/dense-7l", "cart/dense-7l", micro=32),
+        Row("crt/owt-crt-d5-c1024", "crt/owt-crt-d5-c1024", micro=64),
+        Row("crt/owt-roformer-n12-c1024", "crt/owt-roformer-n12-c1024", micro=64),
+    ],
+    "serial": [
+        Row("rt/300m-12l", "rt/300m-12l", micro=64, compile=False,
+            note="eager: compiling the position loop outlasts the cap (issue 37); micro batch 64 of the recipe's 512"),
+        Row("rt/t-300m-12l", "rt/t-300m-12l", micro=32),
+        Row("gpn/gpn-m-130m", "gpn/gpn-m-130m", micro=8),
+    ],
+}
+
+
+# -- data -------------------------------------------------------------------------------------
+def write_data(folder: Path, vocab: int, tokens: int, seed: int = 0) -> tuple[str, str]:
+    """A .bin/.idx corpus of random tokens in documents of ~1,000 tokens (exponential lengths), and a
+    tokenizer.json whose special tokens give the trainer its EOD. Ids stay below `vocab`."""
+    import numpy as np
+
+    from data_tools.indexed import IndexedWriter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    prefix = folder / f"random_v{vocab}_{tokens}"
+    if not Path(f"{prefix}.idx").exists():
+        rng = np.random.default_rng(seed)
+        dtype = np.uint16 if vocab <= 65535 else np.int32
+        with IndexedWriter(str(prefix), dtype) as w:
+            left = tokens
+            while left > 0:
+                n = min(left, max(16, int(rng.exponential(1000))))
+                w.add_document(np.append(rng.integers(PREDICT + 1, vocab, n - 1), EOD).astype(dtype))
+                left -= n
+    tok = folder / "tokenizer.json"
+    if not tok.exists():
+        from tokenizers import Tokenizer, models
+
+        specials = ["<unk>", "<s>", "</s>", "<pad>", "<predict>"]
+        vocab_map = {t: i for i, t in enumerate(specials + [f"t{i}" for i in range(59)])}
+        t = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
+        t.add_special_tokens(specials)
+        t.save(str(tok))
+    return str(prefix), str(tok)
+
+
+# -- one row ----------------------------------------------------------------------------------
+def row_overrides(row: Row, micro: int, steps: int, data: str, tok: str, run_dir: Path, dry: bool) -> list[str]:
+    out = [*row.overrides, f"data.train=[{data}]", "data.valid=[]", "data.split=98,2,0", f"data.tokenizer={tok}",
+           f"data.cache_dir={run_dir.parent / 'cache'}", f"train.run_dir={run_dir}", f"train.max_steps={steps}",
+           f"train.global_batch_seqs={micro}", f"train.micro_batch_seqs={micro}", "train.log_every=1",
+           "train.eval_every=0", "train.eval_batches=1", "schedule.kind=constant", "schedule.warmup_steps=0",
+           f"checkpoint.every={steps + 1}", f"train.compile={str(row.compile and not dry).lower()}"]
+    if dry:  # seconds per row on a CPU: the machinery runs, not the model's size
+        out += ["train.device=cpu", "data.num_workers=0", "log.peak_tflops=1.0", "data.seq_len=32"]
+    return out
+
+
+def tiny_of(config: str) -> str:
+    return config.split("/")[0] + "/tiny"
+
+
+def run_row(row: Row, args, data_for, out: Path) -> dict:
+    from pretrain.config import load_config
+
+    load_config(row.config, row.overrides, check_data=False)  # the paper config and overrides are accepted
+    config = tiny_of(row.config) if args.dry_run else row.config
+    cfg = load_config(config, row.overrides, check_data=False)
+    data, tok = data_for(cfg.model.vocab_size)
+    run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", row.name)
+    steps = args.warmup + args.steps
+    micro = 2 if args.dry_run else (row.micro or cfg.train.micro_batch_seqs)
+    overrides = row_overrides(row, micro, steps, data, tok, run_dir, args.dry_run)
+    if args.dry_run:
+        overrides = [o for o in overrides if not o.startswith(("model.predict_id", "model.eos_id"))]
+    cmd = [sys.executable, "-m", "pretrain.cli", "train", config, *overrides]
+    result = {"row": row.name, "config": row.config, "params": None, "note": row.note,
+              "compiled": row.compile and not args.dry_run, "micro": micro,
+              }
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        log, _ = proc.communicate(timeout=args.cap)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        result["status"] = f"cap {args.cap:.0f} s"
+    else:
+        result["status"] = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
+    result["wall_s"] = time.perf_counter() - t0
+    (out / f"log_{run_dir.name}.txt").write_text(log)
+    seq_len = 32 if args.dry_run else cfg.data.seq_len
+    result["seq_len"] = seq_len
+    result.update(read_metrics(run_dir / "metrics.jsonl", args.warmup, micro * seq_len))
+    paths = re.findall(r"kernels: (.*)", log)
+    result["paths"] = paths[-1].strip() if paths else ""
+    if result["status"] != "ok":
+        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        result["error"] = tail[0][:200]
+    return result
+
+
+def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict:
+    """Medians of the per-step records after `warmup` (each record's window is one step: log_every=1);
+    compile time = the first step's time beyond a steady step's. A torn last line is skipped."""
+    if not path.exists():
+        return {}
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if r.get("tokens_per_s"):
+            records.append(r)
+    if not records:
+        return {}
+    steady = records[warmup:] or records[-1:]
+    med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
+    tps = med("tokens_per_s")
+    split = {k: statistics.median(r.get("time_split", {}).get(k, 0.0) for r in steady)
+             for k in steady[-1].get("time_split", {})}
+    return {"steps": len(steady), "tokens_per_s": tps, "tflops": med("tflops"), "mfu": med("mfu"),
+            "memory_gb": max(r.get("memory_gb", 0.0) for r in records), "loss": steady[-1].get("loss"),
+            "compile_s": max(0.0, tokens_per_step / records[0]["tokens_per_s"] - tokens_per_step / tps),
+            "time_split": split}
+
+
+# -- Hugging Face Llama at the baseline's shape ---------------------------------------------------
+def hf_row(config: str, overrides: list[str], micro: int, steps: int, warmup: int, dry: bool) -> dict:
+    """LlamaForCausalLM built from `config` through the export adapter, trained as our trainer trains:
+    bf16 autocast on CUDA, fused AdamW, torch.compile, the same micro batch; host-timed steps, each ending in one sync (as the
+    trainer's steps do)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pretrain.config import load_config
+    from pretrain.metrics import device_peak_tflops
+    from pretrain.models import get_arch
+
+    cfg = load_config(config, overrides, check_data=False)
+    m = cfg.model
+    hf = get_arch(m.arch).hf.hf_config(m, "float32", None)
+    device = torch.device("cpu" if dry else "cuda")
+    model = LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa")).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    compiled = model if dry else torch.compile(model)
+    T = 32 if dry else cfg.data.seq_len
+    tokens = torch.randint(PREDICT + 1, m.vocab_size, (micro, T), device=device)
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    times, t_first = [], 0.0
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        with autocast:
+            loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        float(loss)  # one sync per step, as the trainer's
+        dt = time.perf_counter() - t0
+        if i == 0:
+            t_first = dt
+        if i >= warmup:
+            times.append(dt)
+    step = statistics.median(times)
+    flops = get_arch(m.arch).flops_per_token(m, T) * micro * T
+    peak, _ = device_peak_tflops(device, 1.0 if dry else 0.0)
+    return {"tokens_per_s": micro * T / step, "tflops": flops / step / 1e12,
+            "mfu": flops / step / 1e12 / peak if peak else 0.0, "compile_s": max(0.0, t_first - step),
+            "memory_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+            "loss": float(loss), "steps": steps, "paths": "HF sdpa", "status": "ok"}
+
+
+def run_hf(row: Row, args, out: Path) -> dict:
+    from pretrain.config import load_config
+
+    config = tiny_of(row.config) if args.dry_run else row.config
+    micro = row.micro or load_config(row.config, check_data=False).train.micro_batch_seqs
+    if args.dry_run:
+        micro = 2
+    spec = {"config": config, "overrides": row.overrides, "micro": micro, "steps": args.steps,
+            "warmup": args.warmup, "dry": args.dry_run}
+    result = {"row": f"HF Llama ({row.name})", "config": row.config, "note": "transformers LlamaForCausalLM, "
+              "compiled, fused AdamW" if not args.dry_run else "transformers LlamaForCausalLM",
+              "compiled": not args.dry_run, "micro": micro, "seq_len": 32 if args.dry_run else load_config(config, check_data=False).data.seq_len}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, __file__, "--hf-row", json.dumps(spec)], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=args.cap)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        return {**result, "status": f"cap {args.cap:.0f} s", "wall_s": time.perf_counter() - t0}
+    (out / "log_hf.txt").write_text(log)
+    found = [ln for ln in log.splitlines() if ln.startswith("HF_RESULT ")]
+    if proc.returncode or not found:
+        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+        return {**result, "status": f"rc {proc.returncode}", "error": tail[0][:200], "wall_s": time.perf_counter() - t0}
+    return {**result, **json.loads(found[-1][len("HF_RESULT "):]), "wall_s": time.perf_counter() - t0}
+
+
+# -- profile ----------------------------------------------------------------------------------------
+def profile_row(row: Row, args, data_for, out: Path) -> Path:
+    """A torch.profiler table (by device time) of two steps of `row`, trained in this process."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from pretrain.config import load_config
+    from pretrain.trainer import Trainer
+
+    config = tiny_of(row.config) if args.dry_run else row.config
+    cfg = load_config(config, row.overrides, check_data=False)
+    data, tok = data_for(cfg.model.vocab_size)
+    micro = 2 if args.dry_run else (row.micro or cfg.train.micro_batch_seqs)
+    run_dir = out / "runs" / ("profile_" + re.sub(r"[^A-Za-z0-9_.-]", "_", row.name))
+    trainer = Trainer(load_config(config, row_overrides(row, micro, args.warmup + 2, data, tok, run_dir, args.dry_run)))
+    cuda = torch.cuda.is_available() and not args.dry_run
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=args.warmup, active=2)) as prof:
+        step = trainer._optimizer_step
+
+        def stepped(*a, **k):
+            result = step(*a, **k)
+            prof.step()
+            return result
+
+        trainer._optimizer_step = stepped
+        trainer.fit()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path = out / f"profile_{run_dir.name[len('profile_'):]}.txt"
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    return path
+
+
+# -- the table --------------------------------------------------------------------------------------
+def table(results: list[dict]) -> str:
+    lines = ["| run | micro × T | tokens/s | TFLOP/s | MFU | peak GB | compile s | fwd/bwd/opt/data/other | attention | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        num = lambda k, f: (f.format(r[k]) if r.get(k) is not None else "—")  # noqa: E731
+        split = r.get("time_split") or {}
+        order = ("forward", "backward", "optimizer", "data", "other")
+        split_s = "/".join(f"{100 * split[k]:.0f}" for k in order if k in split) or "—"
+        status = r.get("status", "") + (f": {r['error']}" if r.get("error") else "")
+        name = r["row"] + ("" if r.get("compiled", True) else " (eager)")
+        lines.append(f"| {name} | {r.get('micro', '—')} × {r.get('seq_len', '—')} | {num('tokens_per_s', '{:,.0f}')} | "
+                     f"{num('tflops', '{:.1f}')} | {num('mfu', '{:.1%}')} | {num('memory_gb', '{:.1f}')} | "
+                     f"{num('compile_s', '{:.0f}')} | {split_s} | {r.get('paths') or '—'} | {status} |")
+    notes = [f"- {r['row']}: {r['note']}" for r in results if r.get("note")]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def ratios(results: list[dict]) -> list[str]:
+    """The issue's targets as ratios measured in this run."""
+    by = {r["row"]: r for r in results if r.get("tokens_per_s")}
+    out = []
+
+    def per_token(name):
+        return 1 / by[name]["tokens_per_s"] if name in by else None
+
+    hf = next((r for r in results if r["row"].startswith("HF Llama") and r.get("tokens_per_s")), None)
+    if hf and "baseline/s no-mask" in by:
+        out.append(f"- baseline/s no-mask / HF Llama tokens/s: {by['baseline/s no-mask']['tokens_per_s'] / hf['tokens_per_s']:.2f}x (target ≥ 1.15x)")
+    if "baseline/m no-mask" in by:
+        out.append(f"- baseline/m MFU: {by['baseline/m no-mask']['mfu']:.1%} (target ≥ 40 %)")
+    if "sps/s" in by and "baseline/s" in by:
+        out.append(f"- sps/s time per input token / baseline/s: {per_token('sps/s') / per_token('baseline/s'):.2f}x (target ≤ 1.8x)")
+    for a, b in (("cart/d1024-r6", "cart/dense-7l"), ("crt/owt-crt-d5-c1024", "crt/owt-roformer-n12-c1024")):
+        if a in by and b in by:  # time per FLOP of a against b's: TFLOP/s of b over a's
+            out.append(f"- {a} time per FLOP / {b}'s: {by[b]['tflops'] / by[a]['tflops']:.2f}x (target ≤ 1.1x)")
+    return out
+
+
+def header(args) -> str:
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "CPU (dry run)"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip() or "unknown"
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"### gpu_suite --part {args.part}: {device}, torch {torch.__version__}, Triton {triton_version}, "
+            f"commit {commit}, {when}\n\n{args.warmup} warm-up steps, then the median of {args.steps}; "
+            f"cap {args.cap:.0f} s per run.")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=[*PARTS, "all"], default="transformer")
+    p.add_argument("--out", default="", help="folder for the table, the logs and the runs (required)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
+    p.add_argument("--cap", type=float, default=150, help="seconds a run may take before it is stopped")
+    p.add_argument("--only", action="append", default=[], help="run only rows whose name contains this (repeatable)")
+    p.add_argument("--profile", default="", help="also profile this row (a name from the parts)")
+    p.add_argument("--append", default="", help="append the table to this markdown file (docs/gpu-results.md)")
+    p.add_argument("--commit", default="", help="the commit to name (default: git rev-parse HEAD)")
+    p.add_argument("--tokens", type=int, default=0, help="tokens of random data to write (default: enough)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, each architecture's tiny config, no compile")
+    p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)  # internal: one HF run as a subprocess
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.hf_row:
+        print("HF_RESULT " + json.dumps(hf_row(**json.loads(args.hf_row))), flush=True)
+        return 0
+    if not args.out:
+        p.error("--out FOLDER is required: the table, the logs and the runs go there")
+    if args.steps < 1 or args.warmup < 1:
+        p.error("--steps and --warmup must each be at least 1 (the first step compiles)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r for part, rs in PARTS.items() if args.part in (part, "all") for r in rs]
+    if args.only:
+        rows = [r for r in rows if any(o in r.name for o in args.only)]
+    if args.profile and not any(r.name == args.profile for r in rows):
+        p.error(f"--profile {args.profile!r} is not a row of --part {args.part}: "
+                + ", ".join(r.name for r in rows))
+    tokens = args.tokens or (100_000 if args.dry_run else 4_000_000)
+    made: dict[int, tuple[str, str]] = {}
+
+    def data_for(vocab: int) -> tuple[str, str]:
+        vocab = min(vocab, 50_000 if not args.dry_run else vocab)  # one corpus serves every row's vocabulary
+        if vocab not in made:
+            made[vocab] = write_data(out / "data", vocab, tokens)
+        return made[vocab]
+
+    results = []
+
+    def write() -> str:  # after every row: a run stopped from outside still leaves the rows it finished
+        text = "\n\n".join([header(args), table(results), "\n".join(ratios(results))]).rstrip() + "\n"
+        (out / f"suite_{args.part}.md").write_text(text)
+        (out / f"suite_{args.part}.json").write_text(json.dumps(results, indent=1))
+        return text
+
+    for row in rows:
+        print(f"[{time.strftime('%H:%M:%S')}] {row.name} ...", flush=True)
+        results.append(run_row(row, args, data_for, out))
+        r = results[-1]
+        print(f"    {r['status']}: {r.get('tokens_per_s') or 0:,.0f} tokens/s, MFU {r.get('mfu') or 0:.1%}, "
+              f"{r.get('memory_gb') or 0:.1f} GB, wall {r['wall_s']:.0f} s", flush=True)
+        if row.hf:
+            results.append(run_hf(row, args, out))
+            r = results[-1]
+            print(f"    {r['row']}: {r['status']}: {r.get('tokens_per_s') or 0:,.0f} tokens/s", flush=True)
+        write()
+    text = write()
+    print(text)
+    if args.profile:
+        print(f"profile: {profile_row(next(r for r in rows if r.name == args.profile), args, data_for, out)}")
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + text)
+    return 0 if all(r.get("status") == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

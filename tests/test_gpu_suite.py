@@ -1,0 +1,41 @@
+"""The GPU suite's dry run (benchmarks/gpu_suite.py --dry-run): every row's paper config and overrides
+are accepted, and each architecture's tiny config trains through the same machinery on the CPU (the
+subprocess `pretrain train`, the data and tokenizer it writes, the metrics it reads, the HF Llama row,
+the table and its appended copy)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_suite_dry_run_runs_every_row_and_writes_the_table(tmp_path):
+    results_md = tmp_path / "gpu-results.md"
+    results_md.write_text("# earlier tables\n")
+    out = tmp_path / "suite"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "all", "--dry-run",
+                           "--steps", "1", "--warmup", "1", "--out", str(out), "--append", str(results_md),
+                           "--commit", "abc1234"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "suite_all.json").read_text())
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import PARTS
+
+    names = [r["row"] for r in results]
+    assert names[:2] == ["baseline/s no-mask", "HF Llama (baseline/s no-mask)"]
+    assert set(names) == {row.name for rows in PARTS.values() for row in rows} | {"HF Llama (baseline/s no-mask)"}
+    for r in results:
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["tflops"] > 0, r
+        if not r["row"].startswith("HF"):
+            assert r["paths"] and sum(r["time_split"].values()) > 0.9, r  # the trainer's own figures, read back
+    table = (out / "suite_all.md").read_text()
+    assert "commit abc1234" in table and table.count("| ok |") == len(results)
+    assert "baseline/s no-mask / HF Llama tokens/s" in table  # the targets' ratios, from this run's figures
+    assert results_md.read_text() == "# earlier tables\n\n" + table
+
+
+def test_gpu_suite_refuses_an_unknown_profile_row(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "serial", "--dry-run",
+                           "--out", str(tmp_path), "--profile", "baseline/s"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--profile 'baseline/s' is not a row of --part serial" in proc.stderr
