@@ -142,15 +142,21 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     return env
 
 
-def exit_process(code: int) -> None:
-    """End a program that may hold a process group: flushed, then os._exit when one is initialized.
+def exit_process(code: int, teardown_s: float = 30.0) -> None:
+    """End a program that may hold a process group, compile workers or loader workers: flushed, then
+    os._exit when a process group is initialized or the program failed (code != 0); otherwise the
+    interpreter's own exit, ended by os._exit if it takes longer than `teardown_s`.
 
     Tearing a gloo group down is not safe at the end of a run: DDP's reducer frees the group while
     holding the GIL and joins its worker thread, which may still be freeing the last broadcast's
     tensors and so waits for the GIL (a deadlock, seen under load in the Slurm reference job); left
     to the interpreter's exit, the same threads abort the process ("terminate called without an
-    active exception"), failing a finished job. Everything the run writes is closed (and renamed
-    into place) before this point, so skipping the destructors loses nothing."""
+    active exception"), failing a finished job. A failed step can leave work that the interpreter's
+    exit waits for: inductor's atexit handler waits up to 300 s for its compile-worker sidecar, and
+    its compile thread pool's non-daemon threads are joined (a compiled run that failed on an H100
+    printed its traceback and did not exit in 120 s). Everything the run writes is closed (and
+    renamed into place) before this point, and worker processes end when their parent does, so
+    skipping the destructors loses nothing."""
     sys.stdout.flush()
     sys.stderr.flush()
     torch_dist = sys.modules.get("torch.distributed")
@@ -159,6 +165,18 @@ def exit_process(code: int) -> None:
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Finalize()
         os._exit(code)
+    if code != 0:
+        os._exit(code)
+    import threading
+
+    def overdue() -> None:  # a daemon thread runs while the exit joins threads and runs atexit handlers
+        sys.stderr.write(f"exit: the interpreter's teardown took over {teardown_s:g} s; leaving without it\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(teardown_s, overdue)
+    timer.daemon = True
+    timer.start()
     sys.exit(code)
 
 

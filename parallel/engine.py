@@ -4,14 +4,15 @@ Every engine is built the same way, `Engine(model, optimizer, settings)`, by par
 (which also applies the layout, recompute and compile first), and the trainer drives every engine
 through the same calls, never branching on which one runs:
 
-    loss, diagnostics, t_fwd, t_bwd = engine.forward_backward(micro_batches, weights, ctx, autocast)
+    loss, diagnostics = engine.forward_backward(micro_batches, weights, ctx, autocast, timer)
     grad_norm = engine.finish_grads(max_norm)    # reduce, clip; the pre-clip norm (None: known after step)
     engine.step(); engine.zero_grad()
 
 `forward_backward` runs the model contract (`model(batch, ctx) -> (loss, diagnostics)`, see
-pretrain/models/base.py) over one optimizer step's micro batches; the pipeline engine
-(parallel/pipeline.py) implements it with megatron-core's 1F1B schedule. `engine.describe()` says
-what runs, for the start line.
+pretrain/models/base.py) over one optimizer step's micro batches, calling `timer.mark("forward")` and
+`timer.mark("backward")` as each phase ends (pretrain/phase_timer.py; CUDA events on a GPU); the
+pipeline engine (parallel/pipeline.py) implements it with megatron-core's 1F1B schedule.
+`engine.describe()` says what runs, for the start line.
 
 An engine is also the checkpoint view of its model and optimizer (parallel/state.py): it hands over
 full tensors keyed by the single-device model's parameter names and takes them back, whatever its
@@ -23,7 +24,6 @@ Engines: "ddp" (torch DDP, also over the data-parallel group of a TP layout), "m
 """
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -133,6 +133,13 @@ class FullState:
         self.inner.set_state(model_sd, optim_state, groups)
 
 
+class NoTimer:
+    """forward_backward's timer when the caller times nothing."""
+
+    def mark(self, phase: str) -> None:
+        pass
+
+
 # -- the shared reductions -------------------------------------------------------------------------
 
 # -- torch DDP -------------------------------------------------------------------------------------
@@ -165,27 +172,25 @@ class Engine:
         return self.model
 
     # the training step
-    def forward_backward(self, micro_batches: list, weights: torch.Tensor, ctx, autocast=nullcontext):
+    def forward_backward(self, micro_batches: list, weights: torch.Tensor, ctx, autocast=nullcontext,
+                         timer=NoTimer()):
         """Forward and backward of one optimizer step's micro batches, micro batch i's loss scaled by
-        weights[i]; returns (sum of weights[i] x loss_i, {name: sum of weights[i] x diagnostic_i},
-        forward seconds, backward seconds). Gradients stay unreduced until the last micro batch."""
+        weights[i]; returns (sum of weights[i] x loss_i, {name: sum of weights[i] x diagnostic_i}).
+        Gradients stay unreduced until the last micro batch."""
         loss_sum = torch.zeros((), device=weights.device, dtype=weights.dtype)
         diagnostics: dict = {}
-        t_fwd = t_bwd = 0.0
         for i, batch in enumerate(micro_batches):
-            t1 = time.perf_counter()
             with self.accumulating(last=i == len(micro_batches) - 1):
                 with autocast():
                     loss, diag = self.forward(batch, ctx)
-                t2 = time.perf_counter()
+                timer.mark("forward")
                 self.backward(loss * weights[i])
             loss_sum += loss.detach() * weights[i]
             for name, value in diag.items():
                 share = value.detach().float() * weights[i]
                 diagnostics[name] = diagnostics[name] + share if name in diagnostics else share
-            t_fwd += t2 - t1
-            t_bwd += time.perf_counter() - t2
-        return loss_sum, diagnostics, t_fwd, t_bwd
+            timer.mark("backward")
+        return loss_sum, diagnostics
 
     def accumulating(self, last: bool):
         """Skip the gradient all-reduce on all but the last micro batch of a step."""

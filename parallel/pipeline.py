@@ -27,7 +27,6 @@ every rank reports the same figures.
 """
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 
 import torch
@@ -37,7 +36,7 @@ from torch import nn
 from parallel import cpu_shim
 from parallel.data_parallel import accumulation_steps
 from parallel.dist import collective
-from parallel.engine import Engine, FullState
+from parallel.engine import Engine, FullState, NoTimer
 from parallel.grads import all_reduce_flat, all_reduce_tp_grads, grad_square_sum
 from parallel.layers import sequence_parallel_params
 from parallel.mesh import layout
@@ -188,9 +187,10 @@ class PipelineEngine(Engine):
         return f", gradients averaged over {lay.dp} data-parallel ranks" if lay.dp > 1 else ""
 
     def run(self, micro_batches: list, weights: torch.Tensor | None, ctx, autocast=nullcontext,
-            forward_only: bool = False):
-        """The schedule over the micro batches; returns (sum of weights[i] x loss_i and the weighted
-        diagnostics, summed over the stages: the same on every rank; forward seconds of this stage)."""
+            forward_only: bool = False, timer=NoTimer()):
+        """The schedule over the micro batches; returns the sum of weights[i] x loss_i and the weighted
+        diagnostics, summed over the stages: the same on every rank. The timer's "forward" is this
+        stage's forward steps, its "backward" all else in the schedule (backward, sends, receives)."""
         from megatron.core.pipeline_parallel.schedules import (forward_backward_pipelining_with_interleaving,
                                                                forward_backward_pipelining_without_interleaving)
 
@@ -199,17 +199,16 @@ class PipelineEngine(Engine):
         weights = torch.ones(n) if weights is None else weights
         loss_sum = torch.zeros((), dtype=torch.float32)
         sums: dict[str, torch.Tensor] = {}
-        t_fwd = [0.0]
 
         def step(data_iterator, view):
             i, s = next(data_iterator), view.stage
-            t0 = time.perf_counter()
+            timer.mark("backward")  # the schedule's work since the last forward step
             with autocast():
                 out, diag = model.run_stage(micro_batches[i], ctx, view.input, s.lo, s.hi, s.last)
             for name, value in diag.items():
                 share = value.detach().float() * weights[i]
                 sums[name] = sums[name] + share if name in sums else share
-            t_fwd[0] += time.perf_counter() - t0
+            timer.mark("forward")
             if not s.last:
                 return out.to(view.config.pipeline_dtype), None
 
@@ -231,7 +230,7 @@ class PipelineEngine(Engine):
                 forward_backward_pipelining_with_interleaving(
                     forward_step_func=step, data_iterator=[iter(range(n)) for _ in self.views], model=self.views,
                     num_microbatches=n, seq_length=1, micro_batch_size=1, forward_only=forward_only)
-        return self._reduce_over_stages(loss_sum, sums), t_fwd[0]
+        return self._reduce_over_stages(loss_sum, sums)
 
     def _forward_through_chunks(self, step, n: int) -> None:
         """Forward only, one micro batch after the other through the pp x v stages in order (evaluation
@@ -264,10 +263,11 @@ class PipelineEngine(Engine):
         return flat[0], {n: flat[1 + k] for k, n in enumerate(every)}
 
     # the training step (parallel/engine.py's contract)
-    def forward_backward(self, micro_batches: list, weights: torch.Tensor, ctx, autocast=nullcontext):
-        t0 = time.perf_counter()
-        (loss_sum, diagnostics), t_fwd = self.run(micro_batches, weights, ctx, autocast)
-        return loss_sum, diagnostics, t_fwd, time.perf_counter() - t0 - t_fwd
+    def forward_backward(self, micro_batches: list, weights: torch.Tensor, ctx, autocast=nullcontext,
+                         timer=NoTimer()):
+        out = self.run(micro_batches, weights, ctx, autocast, timer=timer)
+        timer.mark("backward")
+        return out
 
     def finish_grads(self, max_norm: float) -> torch.Tensor | None:
         lay = layout()
@@ -341,5 +341,5 @@ class PipelineForward(nn.Module):
 
     def forward(self, batch, ctx):
         with torch.no_grad():
-            (loss, diagnostics), _ = self._engine[0].run([batch], None, ctx, forward_only=True)
+            loss, diagnostics = self._engine[0].run([batch], None, ctx, forward_only=True)
         return loss, diagnostics

@@ -3,7 +3,10 @@
 metrics.jsonl holds one JSON object per logged step. The keys `step`, `loss`, `lr`, `tokens_per_s`
 (and `val_loss`, `val_ppl` on evaluation steps) are a stable interface: plots and checks read them.
 `tokens_per_s` and `tflops` are the whole job's, `*_per_device` and `mfu` per device; a model's
-diagnostics appear under their own names (`val_<name>` on evaluation steps).
+diagnostics appear under their own names (`val_<name>` on evaluation steps). `step_s` is the wall
+time per step and `time_split` its shares (adding up to 1): `data` (host clock), `forward`,
+`backward`, `optimizer` (gradient clipping included; CUDA events on a GPU: pretrain/phase_timer.py)
+and `other` (logging, checkpoints, whatever else the steps' wall time held).
 """
 from __future__ import annotations
 
@@ -143,7 +146,8 @@ def progress_line(r: dict, max_steps: int, diagnostics: tuple = ()) -> str:
         f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f}{extra} | lr {r['lr']:.2e} | "
         f"gnorm {r['grad_norm']:.3f} | {r['tokens_per_s_per_device']:,.0f} tok/s/dev | "
         f"{r['tflops_per_device']:.2f} TFLOP/s/dev MFU {100 * r['mfu']:.1f}% | mem {r['memory_gb']:.2f} GB | "
-        f"data {t['data']:.0%} fwd {t['forward']:.0%} bwd {t['backward']:.0%} opt {t['optimizer']:.0%} | "
+        f"data {t['data']:.0%} fwd {t['forward']:.0%} bwd {t['backward']:.0%} opt {t['optimizer']:.0%} "
+        f"other {t.get('other', 0.0):.0%} | "
         f"ETA {format_duration(r['eta_s'])}"
         + (f" | skipped {r['skipped_steps']} (run: {r['skipped_total']})" if r.get("skipped_total") else "")
     )

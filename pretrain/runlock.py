@@ -230,8 +230,8 @@ class RunLock:
             return
         self.held = False
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is not None:  # (a beat stuck in os.utime on a hung mount must not hold the exit)
+            self._thread.join(timeout=5.0)
             self._thread = None
         try:
             holder, _ = read_holder(self.path)

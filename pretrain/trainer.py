@@ -41,6 +41,7 @@ from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory
 from pretrain.models import count_parameters, get_arch, meta_model
 from pretrain.models.base import EVAL, StepContext
 from pretrain.optim import build_optimizer, lr_at
+from pretrain.phase_timer import PhaseTimer
 from pretrain.preemption import StopOnSignal, StopRequested, sigint_deferred
 from pretrain.runlock import hold_run_dir
 from pretrain.runs import make_absolute
@@ -146,25 +147,25 @@ class RunFacts:
 @dataclass
 class Window:
     """The steps since the last metrics record: this rank's share of their summed loss and
-    diagnostics (reduced over ranks when the record is made), their FLOPs, where their time went,
-    and the lr and grad norm of the last of them."""
+    diagnostics (reduced over ranks when the record is made), their FLOPs, where their time went
+    (`timer`: data = fetching the micro batches and counting their tokens; optimizer = finish_grads
+    with its clipping, the finiteness check, the step, zero_grad), and the lr and grad norm of the
+    last of them."""
 
     loss: torch.Tensor
     t0: float  # perf_counter at the window's start
+    timer: PhaseTimer
     diagnostics: dict = field(default_factory=dict)
     steps: int = 0
     flops: float = 0.0
-    data: float = 0.0  # seconds: fetching the micro batches and counting their tokens
-    forward: float = 0.0
-    backward: float = 0.0
-    optimizer: float = 0.0  # seconds: the finiteness check, the step, zero_grad
     lr: float = 0.0
     grad_norm: torch.Tensor | None = None
     skipped: int = 0  # steps of the window whose update was skipped (pretrain/bad_steps.py)
 
     @classmethod
     def start(cls, device: torch.device, dtype: torch.dtype = torch.float32) -> "Window":
-        return cls(loss=torch.zeros((), device=device, dtype=dtype), t0=time.perf_counter())
+        return cls(loss=torch.zeros((), device=device, dtype=dtype), t0=time.perf_counter(),
+                   timer=PhaseTimer(device))
 
     def add_diagnostics(self, diagnostics: dict, dp_size: int) -> None:
         for name, value in diagnostics.items():
@@ -180,24 +181,36 @@ class Window:
         """The metrics.jsonl record of the window ending at `step` (a collective: the sums are reduced)."""
         names = sorted(self.diagnostics)  # the loss and every diagnostic summed over ranks at once
         sums = all_reduce_sum(torch.stack([self.loss, *(self.diagnostics[n] for n in names)]), "logged loss")
+        values = sums.tolist()  # a sync: the window's last step has run on the device, its events too
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         steps = max(self.steps, 1)
         tokens_per_s = steps * run.tokens_per_step / elapsed
         tflops = self.flops / elapsed / 1e12
-        parts = {"data": self.data, "forward": self.forward, "backward": self.backward, "optimizer": self.optimizer}
-        busy = max(sum(parts.values()), 1e-9)
-        values = sums.tolist()
+        parts = dict(self.timer.resolve())
+        # host-timed data can overlap the device's previous optimizer step: then "other" is 0 and the
+        # parts are shares of their own sum
+        parts["other"] = max(elapsed - sum(parts.values()), 0.0)
+        total = max(sum(parts.values()), 1e-9)
         return {
             "step": step, "loss": values[0] / steps, "lr": self.lr, "grad_norm": float(self.grad_norm),
             **{n: v / steps for n, v in zip(names, values[1:])},
             "tokens_per_s": tokens_per_s, "tflops": tflops,  # the whole job's
             "tokens_per_s_per_device": tokens_per_s / run.devices, "tflops_per_device": tflops / run.devices,
             "mfu": tflops / run.devices / run.peak_tflops if run.peak_tflops else 0.0,  # the peak is per device
-            "memory_gb": memory_gb(run.device), "time_split": {k: v / busy for k, v in parts.items()},
+            "memory_gb": memory_gb(run.device), "step_s": elapsed / steps,
+            "time_split": {k: v / total for k, v in parts.items()},  # shares of step_s, adding up to 1
             "eta_s": (run.max_steps - step) * elapsed / steps,
             "consumed_samples": consumed, "tokens": consumed * run.seq_len,
             "skipped_steps": self.skipped,  # in this window; the run's total is added by the trainer
         }
+
+
+def _close_loader(batches) -> None:
+    """End the loader's worker processes now: a failed step's traceback holds the iterator, which
+    would keep its (persistent) workers until the exception is gone."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # a multiprocess iterator's
+    if shutdown is not None:
+        shutdown()
 
 
 def _ignore_sigint(_worker_id: int) -> None:
@@ -371,6 +384,7 @@ class Trainer:
             raise
         finally:
             stop.restore()
+            _close_loader(batches)
             self._close_outputs()
         return record
 
@@ -380,11 +394,12 @@ class Trainer:
         lr = lr_at(self.step, t.max_steps, self.cfg.optim, self.cfg.schedule,
                    tokens_per_step=self.cfg.tokens_per_step)
         self.engine.set_lr(lr)
-        step_loss, grad_norm = self._forward_backward(batches, window)
-        t0 = time.perf_counter()
+        window.timer.start()
+        step_loss, grad_norm = self._forward_backward(batches, window)  # finish_grads: in "optimizer"
         grad_norm, skipped = self._step_or_skip(step_loss, grad_norm)
+        window.timer.resolve()  # after _step_or_skip's sync: reads events that have completed
         self.engine.zero_grad()
-        window.optimizer += time.perf_counter() - t0
+        window.timer.mark("optimizer")
         self.step += 1
         self.consumed += t.global_batch_seqs
         window.end_step(step_loss, lr, grad_norm, skipped)
@@ -397,17 +412,14 @@ class Trainer:
         of the token-weighted mean over the global batch whatever the micro batch or rank count.
         The model's diagnostics get the same weights (without the gradient), summed into `window`.
         """
-        t0 = time.perf_counter()
         ctx = StepContext.for_step(self.cfg.train.seed, self.step)
         micro = [next(batches).to(self.device, non_blocking=True) for _ in range(self.n_micro)]
         tokens = torch.stack([b.loss_mask.sum() for b in micro]).to(param_dtype(self.cfg.train))  # the loss's dtype
         total = all_reduce_sum(tokens.sum(), "target token count").clamp(min=1.0)
         weights = tokens * (self.dp_size / total)
-        window.data += time.perf_counter() - t0
-        loss_sum, diagnostics, t_fwd, t_bwd = self.engine.forward_backward(micro, weights, ctx, self._autocast)
+        window.timer.mark("data")
+        loss_sum, diagnostics = self.engine.forward_backward(micro, weights, ctx, self._autocast, window.timer)
         window.add_diagnostics(diagnostics, self.dp_size)
-        window.forward += t_fwd
-        window.backward += t_bwd
         window.flops += self.spec.flops_per_token(self.cfg.model, self.cfg.data.seq_len, ctx) * \
             self.cfg.tokens_per_step
         return loss_sum / self.dp_size, self.engine.finish_grads(self.cfg.optim.grad_clip)

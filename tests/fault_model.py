@@ -4,6 +4,9 @@ forward at a listed step (1-based, as the trainer logs steps) returns
 - `nan_loss_steps`: a NaN loss whose gradients stay finite (a constant NaN added to the loss);
 - `nan_grad_steps`: a finite loss whose gradients are all NaN (through PoisonGrad's backward);
 - `spike_steps`: the loss times `spike_factor` (a loss and grad-norm spike, for the outlier rule);
+- `raise_steps`: a RuntimeError raised in the backward (an exception inside the step, compiled or not),
+  leaving `busy_compile_s` seconds of work in inductor's compile pools (thread pool and subprocess
+  pool: what a process's exit would wait for; TORCHINDUCTOR_COMPILE_THREADS >= 2) when that is > 0;
 
 on every rank, or only on `fault_rank` (>= 0). Production code holds no test hook: the architecture
 is registered as "test_faults" only by `registered()` (and unregistered after), so the registry-wide
@@ -29,6 +32,8 @@ class FaultConfig(baseline.BaselineConfig):
     nan_grad_steps: list[int] = field(default_factory=list)
     spike_steps: list[int] = field(default_factory=list)
     spike_factor: float = 20.0
+    raise_steps: list[int] = field(default_factory=list)
+    busy_compile_s: float = 0.0
     fault_rank: int = -1  # -1: every rank; else only this global rank
 
 
@@ -42,6 +47,29 @@ class PoisonGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * float("nan")
+
+
+def _busy_compile_workers(seconds: float) -> None:
+    """Jobs still running in inductor's compile pools, as a failed compiled step can leave them."""
+    import time
+
+    from torch._inductor.async_compile import AsyncCompile
+
+    AsyncCompile.pool().submit(time.sleep, seconds)  # a non-daemon thread, joined at interpreter exit
+    AsyncCompile.process_pool().submit(time.sleep, seconds)  # the sidecar that inductor's atexit waits for
+
+
+@torch._dynamo.disable  # eager, outside a compiled graph: the step is read without recompiling per step
+def _maybe_raise_in_backward(loss, cfg, ctx):
+    def fail(grad):
+        if cfg.busy_compile_s > 0:
+            _busy_compile_workers(cfg.busy_compile_s)
+        print(f"fault_model: raising in the backward of step {ctx.step + 1}", file=sys.stderr, flush=True)
+        raise RuntimeError(f"injected failure in the backward of step {ctx.step + 1} (tests/fault_model.py)")
+
+    if ctx.step + 1 in cfg.raise_steps and loss.requires_grad:
+        loss.register_hook(fail)
+    return loss
 
 
 def _this_rank() -> int:
@@ -62,6 +90,8 @@ class Faulty(baseline.TransformerPP):
             loss = PoisonGrad.apply(loss)
         if step in c.spike_steps:
             loss = loss * c.spike_factor
+        if c.raise_steps:
+            loss = _maybe_raise_in_backward(loss, c, ctx)
         return loss, diagnostics
 
 
@@ -84,11 +114,12 @@ def registered():
 
 
 def cli_main() -> int:
-    """`pretrain` (pretrain.cli.main) with this architecture registered: python fault_model.py train ..."""
+    """`pretrain` (pretrain.cli.main, as the program: its arguments from sys.argv) with this
+    architecture registered: python fault_model.py train ..."""
     register()
     from pretrain.cli import main
 
-    return main(sys.argv[1:])
+    return main()
 
 
 if __name__ == "__main__":
