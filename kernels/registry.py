@@ -15,7 +15,9 @@ trace time and dynamo guards on them.
 Forcing, per op: the environment variable PRETRAIN_KERNELS="attention=reference,rt_prefill=tiled"
 (read when the op is created; an op may also name a legacy variable of its own, PRETRAIN_ATTENTION),
 or force(op, path) in code (tests, a config). A forced path that cannot serve a call (say a
-CUDA-only kernel on the CPU) is an error naming both, never a silent fallback.
+CUDA-only kernel on the CPU) is an error naming both, never a silent fallback: a PathRefused, saying
+why when the path registers a `refusal` (a check that returns its reason instead of False).
+pretrain/kernel_probe.py raises it before a run starts, from a forward of the model on fake tensors.
 
 paths_used() reports {op: paths that ran} since reset_paths_used(); the trainer and the generator
 print it once. Recording is a set.add: inside a compiled region dynamo keeps the mutation of this
@@ -38,6 +40,11 @@ class Path:
     capable: Callable[..., bool] | None  # (*args, **kwargs) -> whether it can serve this call; None: any
     priority: int
     auto: bool  # picked without being forced (False for references and debug paths)
+    refusal: Callable[..., str | None] | None = None  # (*args, **kwargs) -> why it cannot serve, None if it can
+
+
+class PathRefused(ValueError):
+    """A forced path that does not exist or cannot serve a call: one sentence for the user."""
 
 
 def _env_choices() -> dict[str, str]:
@@ -72,10 +79,15 @@ class Op:
         _used.setdefault(name, set())
 
     def register(self, name: str, fn: Callable[..., Any], capable: Callable[..., bool] | None = None,
-                 priority: int = 0, auto: bool = True) -> Callable[..., Any]:
+                 priority: int = 0, auto: bool = True,
+                 refusal: Callable[..., str | None] | None = None) -> Callable[..., Any]:
+        """`refusal` replaces `capable` where a path can say why it refuses (capable: it returns None)."""
         if name in self.paths:
             raise ValueError(f"kernel op {self.name!r} already has a path named {name!r}")
-        self.paths[name] = Path(name, fn, capable, priority, auto)
+        if refusal is not None and capable is None:
+            def capable(*args, **kwargs) -> bool:
+                return refusal(*args, **kwargs) is None
+        self.paths[name] = Path(name, fn, capable, priority, auto, refusal)
         self._automatic = sorted((p for p in self.paths.values() if p.auto), key=lambda p: -p.priority)
         return fn
 
@@ -97,12 +109,13 @@ class Op:
         if self._forced is not None:
             path = self.paths.get(self._forced)
             if path is None:
-                raise ValueError(f"{self._forced_from}={self._forced!r} is not {self._a} path; choose one of "
-                                 f"{', '.join(self.paths)}")
+                raise PathRefused(f"{self._forced_from}={self._forced!r} is not {self._a} path; choose one of "
+                                  f"{', '.join(self.paths)}")
             if path.capable is not None and not path.capable(*args, **kwargs):
-                raise ValueError(f"the {self.name} path {path.name!r} (forced by {self._forced_from}) cannot serve "
-                                 "this call (its capability check refused the device, dtype or arguments); "
-                                 f"unset it or choose another of {', '.join(self.paths)}")
+                why = path.refusal(*args, **kwargs) if path.refusal is not None else None
+                raise PathRefused(f"the {self.name} path {path.name!r} (forced by {self._forced_from}) cannot serve "
+                                  f"this call: {why or 'its capability check refused the device, dtype or arguments'}"
+                                  f"; unset it or choose another of {', '.join(self.paths)}")
             return path
         for path in self._automatic:
             if path.capable is None or path.capable(*args, **kwargs):
@@ -130,6 +143,11 @@ def force(op_name: str, path: str | None) -> None:
     if op_name not in _OPS:
         raise ValueError(f"{op_name!r} is not a kernel op; known: {', '.join(sorted(_OPS))}")
     _OPS[op_name].force(path)
+
+
+def forced() -> dict[str, str]:
+    """{op: its forced path} for every op that has one (the environment's included)."""
+    return {name: o.forced for name, o in sorted(_OPS.items()) if o.forced is not None}
 
 
 def paths_used() -> dict[str, list[str]]:

@@ -130,6 +130,32 @@ def test_a_training_start_is_a_one_screen_summary_and_the_full_config_on_request
     assert full.returncode == 0 and "\nmodel:\n  arch: baseline\n" in "\n" + full.stdout
 
 
+@pytest.mark.parametrize("path, env, why", [
+    ("flash_attn", {}, "the flash_attn package is not installed"),
+    ("triton", {"TRITON_INTERPRET": "0"}, "its kernels run on CUDA devices (on a CPU only under TRITON_INTERPRET=1), "
+     "not on cpu"),
+    ("flex", {}, "it takes head dims 16, 32, 64, 128, 256"),  # the tiny test model's are 8 wide
+], ids=["not-installed", "no-cuda", "head-dim"])
+def test_a_forced_attention_path_that_cannot_serve_the_model_is_one_sentence_before_any_work(tmp_path, path, env,
+                                                                                            why):
+    """Issue 34: refused from a fake forward before the run starts (pretrain/kernel_probe.py), not at the
+    first step after the run directory, the data and the compilation."""
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov")
+    before = sorted(os.listdir(tmp_path))
+    over = tiny_overrides(tmp_path, corpus, **{"model.document_mask": "true", "train.compile": "true"})
+    r = subprocess.run([sys.executable, "-m", "pretrain.cli", "train", "baseline/tiny", *over], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=ROOT, PRETRAIN_KERNELS=f"attention={path}", **env))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"pretrain train: error: before training model.arch=baseline on cpu: the attention path {path!r} (forced by "
+        f"PRETRAIN_KERNELS) cannot serve this call: {why}; unset it or choose another of flash_attn, triton, flex, "
+        "sdpa, reference")
+    assert r.stdout == "" and sorted(os.listdir(tmp_path)) == before  # no run directory, no data cache
+
+
 def test_eval_caps_k_at_t_plus_1_says_so_and_shows_the_diagnostics(tmp_path):
     """CRT's model.eval_k beyond T + 1 evaluates as T + 1 (the same loss), with a line saying so; the
     text output names the K and the model's diagnostics; runtime settings are accepted as by train."""

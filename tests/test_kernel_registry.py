@@ -81,3 +81,38 @@ def test_environment_forces_per_op_and_bad_values_are_one_sentence():
     assert rc == 1 and "the attention path 'triton' (forced by PRETRAIN_KERNELS) cannot serve this call" in err[0]
     rc, _, err = run(code, PRETRAIN_KERNELS="attention")
     assert rc == 1 and "each entry must be op=path" in err[0]
+
+
+def test_a_refused_forced_path_says_why_when_it_can(op):
+    op.register("picky", lambda x: x, refusal=lambda x: None if x.dim() == 1 else "it takes vectors only", auto=False)
+    registry.force("test_scale", "picky")
+    assert op(torch.ones(2)).tolist() == [1.0, 1.0]
+    with pytest.raises(registry.PathRefused, match="'picky' .* cannot serve this call: it takes vectors only; unset"):
+        op(torch.ones(2, 2))
+    assert registry.forced()["test_scale"] == "picky"
+    registry.force("test_scale", None)
+    assert "test_scale" not in registry.forced()
+    assert op(torch.ones(2, 2)).shape == (2, 2)  # unforced, refusal is only a capability check
+
+
+def test_the_probe_refuses_a_forced_path_before_training_and_passes_one_that_serves():
+    """pretrain/kernel_probe.py: the model's training forward on fake tensors (no memory, no compute)."""
+    import kernels.attention as attn
+    from pretrain.kernel_probe import check_forced_paths
+    from pretrain.models import get_arch
+
+    cfg = get_arch("baseline").config_cls(vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=64,
+                                          document_mask=True)
+    cpu = torch.device("cpu")
+    check_forced_paths(cfg, 64, cpu, torch.float32, None)  # nothing forced: nothing to probe
+    try:
+        attn.use_path("flash_attn")
+        with pytest.raises(registry.PathRefused, match="before training model.arch=baseline on cpu: the attention "
+                           "path 'flash_attn' .* the flash_attn package is not installed"):
+            check_forced_paths(cfg, 64, cpu, torch.float32, None)
+        attn.use_path("reference")
+        attn.reset_paths_used()
+        check_forced_paths(cfg, 64, cpu, torch.float32, None)
+        assert attn.paths_used() == {"reference"}  # the forward reached attention and it served
+    finally:
+        attn.use_path(None)

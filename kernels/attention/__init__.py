@@ -40,19 +40,22 @@ from kernels.attention.reference import document_causal_mask
 OP = registry.op("attention", legacy_env="PRETRAIN_ATTENTION")
 
 
-def _block_sparse(capable, name):
-    """A block-sparse path's check: its own (told whether the path is forced), and not plain causal
-    attention unless forced."""
+def _block_sparse(refusal, name):
+    """A block-sparse path's refusal: its own (told whether the path is forced), and plain causal
+    attention unless forced (SDPA's causal kernels win there)."""
     def check(q, k, v, mask, offset=0, *rest, **kw):  # its own check first: it refuses most calls cheaply
         forced = OP.forced == name
-        return capable(q, k, v, mask, offset, *rest, forced=forced, **kw) and (
-            forced or not is_causal(mask, q.shape[-2], k.shape[-2], offset))
+        why = refusal(q, k, v, mask, offset, *rest, forced=forced, **kw)
+        if why is None and not forced and is_causal(mask, q.shape[-2], k.shape[-2], offset):
+            return "plain causal attention goes to SDPA unless this path is forced"
+        return why
     return check
 
 
-OP.register("flash_attn", flash_varlen.attention, _block_sparse(flash_varlen.capable, "flash_attn"), priority=40)
-OP.register("triton", triton_path.attention, _block_sparse(triton_path.capable, "triton"), priority=30)
-OP.register("flex", flex.attention, _block_sparse(flex.capable, "flex"), priority=20)
+OP.register("flash_attn", flash_varlen.attention, priority=40,
+            refusal=_block_sparse(flash_varlen.refusal, "flash_attn"))
+OP.register("triton", triton_path.attention, priority=30, refusal=_block_sparse(triton_path.refusal, "triton"))
+OP.register("flex", flex.attention, priority=20, refusal=_block_sparse(flex.refusal, "flex"))
 OP.register("sdpa", sdpa.attention, priority=10)
 OP.register("reference", reference.attention, auto=False)
 PATHS = tuple(OP.paths)

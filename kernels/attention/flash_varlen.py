@@ -54,11 +54,28 @@ def cu_seqlens(doc_ids: Tensor | None, B: int, T: int, device) -> tuple[Tensor, 
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
-def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
-            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> bool:
-    return (HAVE_FLASH_ATTN and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and k.dtype == v.dtype == q.dtype and offset == 0 and q.shape[-2] == k.shape[-2]
-            and alibi_slopes is None and q.shape[-1] <= 256 and decoder_parts(mask) is not None)
+def refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> str | None:
+    """Why this path cannot serve the call (None: it can). Python values only (dynamo traces it)."""
+    if not HAVE_FLASH_ATTN:
+        return "the flash_attn package is not installed"
+    if not q.is_cuda:
+        return f"it runs on CUDA devices, not on {q.device.type}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype):
+        return "it takes bf16 or fp16 inputs of one dtype (train.precision=bf16)"
+    if offset != 0 or q.shape[-2] != k.shape[-2]:
+        return "it has no decode steps (queries after cached keys)"
+    if alibi_slopes is not None:
+        return "it has no ALiBi"
+    if q.shape[-1] > 256:
+        return "it takes head dims up to 256"
+    if decoder_parts(mask) is None:
+        return "the mask is not causal with at most one document mask and one window"
+    return None
+
+
+def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *args, **kwargs) -> bool:
+    return refusal(q, k, v, mask, *args, **kwargs) is None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,

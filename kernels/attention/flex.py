@@ -49,15 +49,31 @@ def _needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
-            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> bool:
-    if dropout_p or alibi_slopes is not None or q.shape[-1] not in HEAD_DIMS or q.dtype not in (
-            torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype):
-        return False
+def refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> str | None:
+    """Why this path cannot serve the call (None: it can). Python values only (dynamo traces it)."""
+    if dropout_p or alibi_slopes is not None:
+        return "it has no attention dropout or ALiBi"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"it takes head dims {', '.join(map(str, HEAD_DIMS))}"
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype):
+        return "it takes fp32, bf16 or fp16 inputs of one dtype"
     if q.is_cuda:  # not for decode: every new cache length would compile again
-        return q.shape[-2] >= FLEX_MIN_QUERIES_CUDA
-    return (q.device.type == "cpu" and not _needs_grad(q, k, v) and k.shape[-2] >= FLEX_MIN_KEYS
-            and not is_causal(mask, q.shape[-2], k.shape[-2], offset))
+        return None if q.shape[-2] >= FLEX_MIN_QUERIES_CUDA else \
+            f"on CUDA it serves from {FLEX_MIN_QUERIES_CUDA} queries on (not decode steps)"
+    if q.device.type != "cpu":
+        return f"it runs on CUDA devices and CPUs, not on {q.device.type}"
+    if _needs_grad(q, k, v):
+        return "this torch has no FlexAttention backward on a CPU (training)"
+    if k.shape[-2] < FLEX_MIN_KEYS:
+        return f"on a CPU it serves from {FLEX_MIN_KEYS} keys on"
+    if is_causal(mask, q.shape[-2], k.shape[-2], offset):
+        return "plain causal attention on a CPU goes to SDPA"
+    return None
+
+
+def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *args, **kwargs) -> bool:
+    return refusal(q, k, v, mask, *args, **kwargs) is None
 
 
 def block_mask(mask: Mask, B: int, Tq: int, Tk: int, offset: int, device):

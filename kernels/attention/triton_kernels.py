@@ -149,7 +149,8 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, qb, qbase, dobase, lbase, sqt,
 
 @triton.jit
 def _bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV, RUNS, PN, PI, FN, FI,
-            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, s_runs, s_num, s_list,
+            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
+            s_runs, s_num, s_list,
             H, H_KV, GROUP, Tq, Tk, D, NQB, qk_scale, sm_scale,
             R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
     kb = tl.program_id(0)
@@ -178,9 +179,10 @@ def _bwd_kv(Q, K, V, DO, LSE, DELTA, DK, DV, RUNS, PN, PI, FN, FI,
         for j in range(n_full):
             dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, tl.load(FI + at + j), qbase, dobase, lbase, sqt,
                                   sdot, cols, offs_d, D, Tq, Tk, RUNS, rb, qk_scale, False, R, BM, PREC)
-    out = bkv * Tk * D + cols[:, None] * D + offs_d[None, :]  # dk, dv are contiguous [B, H_kv, Tk, D]
-    tl.store(DK + out, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_ok)
+    dk_at = b * sdkb + kvh * sdkh + cols[:, None] * sdkt + offs_d[None, :]
+    dv_at = b * sdvb + kvh * sdvh + cols[:, None] * sdvt + offs_d[None, :]
+    tl.store(DK + dk_at, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
+    tl.store(DV + dv_at, dv.to(DV.dtype.element_ty), mask=kv_ok)
 
 
 @triton.jit
@@ -197,7 +199,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, K, V, kb, kbase, vbase, skt, svt, rows, o
 
 @triton.jit
 def _bwd_q(Q, K, V, DO, LSE, DELTA, DQ, RUNS, PN, PI, FN, FI,
-           sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, s_runs, s_num, s_list,
+           sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdob, sdoh, sdot, sdqb, sdqh, sdqt, s_runs, s_num, s_list,
            H, GROUP, Tq, Tk, D, NKB, qk_scale, sm_scale,
            R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
     qb, bh, b, h, kvh, rows, offs_d, q_ok = _query_block(H, GROUP, Tq, D, BM, BD)
@@ -216,8 +218,8 @@ def _bwd_q(Q, K, V, DO, LSE, DELTA, DQ, RUNS, PN, PI, FN, FI,
     for j in range(tl.load(FN + b * s_num + qb)):
         dq = _bwd_q_tile(dq, q, do, lse, delta, K, V, tl.load(FI + at + j), kbase, vbase, skt, svt, rows, offs_d, D,
                          Tk, RUNS, rb, qk_scale, False, R, BN, PREC)
-    tl.store(DQ + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=q_ok)
+    tl.store(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_ok)
 
 
 def _bstride(t: Tensor) -> int:
@@ -233,6 +235,33 @@ def _launch_shape(q: Tensor, block_q: int) -> tuple[int, int, str, int, int]:
     return D, BD, prec, warps, 1 if q.device.type == "cpu" else 2
 
 
+def _dense_like(t: Tensor) -> Tensor:
+    """An uninitialised tensor of t's shape and dtype, dense, its dimensions laid out in the order of t's
+    strides (the head dimension innermost): a gradient or output in its input's layout ([B, H, T, D] views
+    of [B, T, H, D] stay so, no copy later) even when t itself has gaps (a slice of a fused projection)."""
+    outer = sorted(range(t.dim() - 1), key=lambda i: -t.stride(i))  # stable: ties keep their order
+    strides, step = [0] * t.dim(), 1
+    for i in [*outer, t.dim() - 1][::-1]:
+        strides[i] = step
+        step *= t.shape[i]
+    if all(t.shape[i] == 1 or t.stride(i) == strides[i] for i in range(t.dim())):
+        strides = t.stride()  # t is dense already: its own strides, size-1 dimensions' included
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+
+
+# The outputs of both ops are allocated here alone, by the real functions and their fake (meta) ones
+# alike: under torch.compile the compiled graph checks the real outputs' sizes and strides against
+# the fake ones, and two allocations that drift apart fail there (issue 34).
+def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
+    """(out in q's layout, log2-sum-exp [B, H, Tq] fp32 contiguous)."""
+    return _dense_like(q), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+
+
+def _backward_outputs(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), each in its input's layout."""
+    return _dense_like(q), _dense_like(k), _dense_like(v)
+
+
 @torch.library.custom_op("pretrain::block_sparse_attention", mutates_args=())
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, runs: Tensor, q_pn: Tensor, q_pi: Tensor, q_fn: Tensor,
                            q_fi: Tensor, k_pn: Tensor, k_pi: Tensor, k_fn: Tensor, k_fi: Tensor, scale: float,
@@ -241,8 +270,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, runs: Tensor, q_pn: 
     B, H, Tq, _ = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
     D, BD, prec, warps, stages = _launch_shape(q, block_q)
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, Tq, device=q.device, dtype=torch.float32)
+    out, lse = _forward_outputs(q)
     grid = (triton.cdiv(Tq, block_q), B * H)
     _fwd[grid](q, k, v, out, lse, runs, q_pn, q_pi, q_fn, q_fi,
                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -254,7 +282,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, runs: Tensor, q_pn: 
 
 @block_sparse_attention.register_fake
 def _(q, k, v, runs, q_pn, q_pi, q_fn, q_fi, k_pn, k_pi, k_fn, k_fi, scale, block_q, block_k):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return _forward_outputs(q)
 
 
 @torch.library.custom_op("pretrain::block_sparse_attention_backward", mutates_args=())
@@ -265,20 +293,17 @@ def block_sparse_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor,
     B, H, Tq, _ = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
     D, BD, prec, warps, stages = _launch_shape(q, block_q)
-    do = do.contiguous()
-    delta = (do.float() * out.float()).sum(-1)  # rowsum(dO * O), the softmax backward's correction
-    dq = torch.empty_like(q)
-    dk = torch.empty(B, H_kv, Tk, D, device=k.device, dtype=k.dtype)
-    dv = torch.empty(B, H_kv, Tk, D, device=v.device, dtype=v.dtype)
+    do, lse = do.contiguous(), lse.contiguous()  # the kernels index lse and delta as [B * H * Tq]
+    delta = (do.float() * out.float()).sum(-1).contiguous()  # rowsum(dO * O), the softmax backward's correction
+    dq, dk, dv = _backward_outputs(q, k, v)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     _bwd_kv[(triton.cdiv(Tk, block_k), B * H_kv)](
-        q, k, v, do, lse, delta, dk, dv, runs, k_pn, k_pi, k_fn, k_fi, *strides,
+        q, k, v, do, lse, delta, dk, dv, runs, k_pn, k_pi, k_fn, k_fi, *strides, *dk.stride()[:3], *dv.stride()[:3],
         _bstride(runs), _bstride(k_pn), _bstride(k_pi), H, H_kv, H // H_kv, Tq, Tk, D, k_pi.shape[-1],
         scale * LOG2E, scale, R=runs.shape[2], BM=block_q, BN=block_k, BD=BD, PREC=prec, num_warps=warps,
         num_stages=stages)
-    # dq is written with q's strides (it is empty_like(q)), which the kernel reads as sqb, sqh, sqt
     _bwd_q[(triton.cdiv(Tq, block_q), B * H)](
-        q, k, v, do, lse, delta, dq, runs, q_pn, q_pi, q_fn, q_fi, *strides,
+        q, k, v, do, lse, delta, dq, runs, q_pn, q_pi, q_fn, q_fi, *strides, *dq.stride()[:3],
         _bstride(runs), _bstride(q_pn), _bstride(q_pi), H, H // H_kv, Tq, Tk, D, q_pi.shape[-1],
         scale * LOG2E, scale, R=runs.shape[2], BM=block_q, BN=block_k, BD=BD, PREC=prec, num_warps=warps,
         num_stages=stages)
@@ -287,7 +312,7 @@ def block_sparse_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor,
 
 @block_sparse_attention_backward.register_fake
 def _(do, q, k, v, out, lse, runs, q_pn, q_pi, q_fn, q_fi, k_pn, k_pi, k_fn, k_fi, scale, block_q, block_k):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _backward_outputs(q, k, v)
 
 
 def _setup(ctx, inputs, output):

@@ -18,7 +18,7 @@ from torch import Tensor
 from kernels.attention.masks import Mask
 from kernels.attention.reference import check_heads
 from kernels.attention.runs import tile_lists
-from kernels.triton_support import triton_can_run
+from kernels.triton_support import HAVE_TRITON, interpreting
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -27,11 +27,30 @@ def blocks(q: Tensor) -> tuple[int, int]:
     return (64, 64) if q.is_cuda else (16, 16)
 
 
-def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
-            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> bool:
-    return (triton_can_run(q) and (q.is_cuda or forced)
-            and dropout_p == 0 and alibi_slopes is None and mask.runs is not None
-            and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] <= 256)
+def refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
+            dropout_p: float = 0.0, alibi_slopes: Tensor | None = None, forced: bool = False) -> str | None:
+    """Why this path cannot serve the call (None: it can). Python values only (dynamo traces it)."""
+    if not HAVE_TRITON:
+        return "Triton is not installed"
+    if not q.is_cuda and not (q.device.type == "cpu" and interpreting()):
+        return f"its kernels run on CUDA devices (on a CPU only under TRITON_INTERPRET=1), not on {q.device.type}"
+    if not q.is_cuda and not forced:
+        return "on a CPU it serves only when forced"
+    if dropout_p:
+        return "it has no attention dropout"
+    if alibi_slopes is not None:
+        return "it has no ALiBi"
+    if mask.runs is None:
+        return "the mask declares no column runs (Mask.runs)"
+    if q.dtype not in DTYPES or not (k.dtype == v.dtype == q.dtype):
+        return "it takes fp32, bf16 or fp16 inputs of one dtype"
+    if q.shape[-1] > 256:
+        return "it takes head dims up to 256"
+    return None
+
+
+def capable(q: Tensor, k: Tensor, v: Tensor, mask: Mask, *args, **kwargs) -> bool:
+    return refusal(q, k, v, mask, *args, **kwargs) is None
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,
