@@ -140,22 +140,27 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    capped = False
     try:
         log, _ = proc.communicate(timeout=args.cap)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         log, _ = proc.communicate()
-        result["status"] = f"cap {args.cap:.0f} s"
-    else:
-        result["status"] = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
+        capped = True
     result["wall_s"] = time.perf_counter() - t0
     (out / f"log_{run_dir.name}.txt").write_text(log)
     seq_len = 32 if args.dry_run else cfg.data.seq_len
     result["seq_len"] = seq_len
     result.update(read_metrics(run_dir / "metrics.jsonl", args.warmup, micro * seq_len))
+    if capped and result.get("last_step") == steps:  # every step measured; the end-of-run evaluation was cut
+        result["status"] = f"ok (stopped at the {args.cap:.0f} s cap in the final evaluation)"
+    elif capped:
+        result["status"] = f"cap {args.cap:.0f} s after step {result.get('last_step', 0)} of {steps}"
+    else:
+        result["status"] = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
     paths = re.findall(r"kernels: (.*)", log)
     result["paths"] = paths[-1].strip() if paths else ""
-    if result["status"] != "ok":
+    if not result["status"].startswith("ok"):
         tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
         result["error"] = tail[0][:200]
     return result
@@ -181,7 +186,7 @@ def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict:
     tps = med("tokens_per_s")
     split = {k: statistics.median(r.get("time_split", {}).get(k, 0.0) for r in steady)
              for k in steady[-1].get("time_split", {})}
-    return {"steps": len(steady), "tokens_per_s": tps, "tflops": med("tflops"), "mfu": med("mfu"),
+    return {"steps": len(steady), "last_step": records[-1]["step"], "tokens_per_s": tps, "tflops": med("tflops"), "mfu": med("mfu"),
             "memory_gb": max(r.get("memory_gb", 0.0) for r in records), "loss": steady[-1].get("loss"),
             "compile_s": max(0.0, tokens_per_step / records[0]["tokens_per_s"] - tokens_per_step / tps),
             "time_split": split}
@@ -265,7 +270,7 @@ def run_hf(row: Row, args, out: Path) -> dict:
 def profile_row(row: Row, args, data_for, out: Path) -> Path:
     """A torch.profiler table (by device time) of two steps of `row`, trained in this process."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile
 
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
@@ -277,17 +282,22 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
     run_dir = out / "runs" / ("profile_" + re.sub(r"[^A-Za-z0-9_.-]", "_", row.name))
     trainer = Trainer(load_config(config, row_overrides(row, micro, args.warmup + 2, data, tok, run_dir, args.dry_run)))
     cuda = torch.cuda.is_available() and not args.dry_run
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, schedule=schedule(wait=0, warmup=args.warmup, active=2)) as prof:
-        step = trainer._optimizer_step
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    step, done = trainer._optimizer_step, [0]
 
-        def stepped(*a, **k):
-            result = step(*a, **k)
-            prof.step()
-            return result
+    def stepped(*a, **k):  # the capture holds the two steps after the warm-up (compile) steps
+        if done[0] == args.warmup:
+            prof.start()
+        result = step(*a, **k)
+        done[0] += 1
+        if done[0] == args.warmup + 2:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.stop()
+        return result
 
-        trainer._optimizer_step = stepped
-        trainer.fit()
+    trainer._optimizer_step = stepped
+    trainer.fit()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     path = out / f"profile_{run_dir.name[len('profile_'):]}.txt"
     path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
@@ -359,6 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--cap", type=float, default=150, help="seconds a run may take before it is stopped")
     p.add_argument("--only", action="append", default=[], help="run only rows whose name contains this (repeatable)")
     p.add_argument("--profile", default="", help="also profile this row (a name from the parts)")
+    p.add_argument("--profile-only", action="store_true", help="run the --profile capture alone, no table")
     p.add_argument("--append", default="", help="append the table to this markdown file (docs/gpu-results.md)")
     p.add_argument("--commit", default="", help="the commit to name (default: git rev-parse HEAD)")
     p.add_argument("--tokens", type=int, default=0, help="tokens of random data to write (default: enough)")
@@ -390,6 +401,11 @@ def main(argv=None) -> int:
             made[vocab] = write_data(out / "data", vocab, tokens)
         return made[vocab]
 
+    if args.profile_only:
+        if not args.profile:
+            p.error("--profile-only needs --profile ROW")
+        print(f"profile: {profile_row(next(r for r in rows if r.name == args.profile), args, data_for, out)}")
+        return 0
     results = []
 
     def write() -> str:  # after every row: a run stopped from outside still leaves the rows it finished
@@ -416,7 +432,7 @@ def main(argv=None) -> int:
     if args.append:
         with open(args.append, "a") as f:
             f.write("\n" + text)
-    return 0 if all(r.get("status") == "ok" for r in results) else 1
+    return 0 if all(r.get("status", "").startswith("ok") for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -276,14 +276,9 @@ def _plan(args) -> int:
 
 def _train(args) -> int:
     from pretrain.config import load_config
-    from pretrain.kernel_probe import check_forced_paths
-    from pretrain.trainer import Trainer, autocast_dtype, param_dtype, resolve_device
+    from pretrain.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
-    device = resolve_device(cfg.train)  # a forced kernel path that cannot serve the model: refused before any work
-    check_forced_paths(cfg.model, cfg.data.seq_len, device, param_dtype(cfg.train), autocast_dtype(cfg.train, device),
-                       cfg.train.seed)
-    trainer = Trainer(cfg)
+    trainer = Trainer(load_config(args.config, args.overrides))  # refuses a forced kernel path before any work
     record = trainer.fit()
     if "val_loss" in record:
         trainer.log(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} "

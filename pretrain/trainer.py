@@ -36,6 +36,7 @@ from pretrain.config import RunConfig, config_summary, to_yaml
 from pretrain.data import Collator, GlobalBatchSampler
 from pretrain.data.build import check_internal_tokens, check_vocab, train_dataset, valid_dataset
 from pretrain.init_from import load_initial_weights
+from pretrain.kernel_probe import check_forced_paths
 from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch, meta_model
@@ -234,6 +235,8 @@ class Trainer:
                                           names=("train.global_batch_seqs", "train.micro_batch_seqs"))
         self.device = resolve_device(t)
         self.amp_dtype = autocast_dtype(t, self.device)
+        # a forced kernel path that cannot serve this model: one sentence before any work
+        check_forced_paths(cfg.model, cfg.data.seq_len, self.device, param_dtype(t), self.amp_dtype, t.seed)
         self.spec = get_arch(cfg.model.arch)
         self.run_dir = t.run_dir
         check_vocab(cfg.data.train + cfg.data.valid, cfg.model.vocab_size)
