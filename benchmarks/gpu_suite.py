@@ -10,6 +10,9 @@ Parts:
                sps/s, cart/d1024-r6 and its Dense partner dense-7l, crt/owt-crt-d5-c1024 and the
                RoFormer of its width (owt-roformer-n12-c1024)
   serial       rt/300m-12l and rt/t-300m-12l, gpn/gpn-m-130m
+  checks       the CUDA checks of benchmarks/gpu_sps_rt.py and gpu_gpn.py (CPU agreement, decode equal to
+               the forward, RT's tiled prefill against the naive loop, GPN's segment recompute), PASS/FAIL
+               per check; the compiled-vs-eager and kernel checks are pytest's: `pytest -m gpu`
 
 Each row is a subprocess `pretrain train` on data the suite writes itself (random tokens in documents
 of ~1,000 tokens, with a small tokenizer.json naming the special tokens), one micro batch per step,
@@ -266,6 +269,36 @@ def run_hf(row: Row, args, out: Path) -> dict:
     return {**result, **json.loads(found[-1][len("HF_RESULT "):]), "wall_s": time.perf_counter() - t0}
 
 
+# -- the CUDA checks ---------------------------------------------------------------------------------
+CHECKS = ["gpu_sps_rt.py", "gpu_gpn.py"]
+
+
+def run_checks(args, out: Path) -> int:
+    """Each check script as a subprocess under the cap; its PASS/FAIL lines and timings into one file."""
+    lines, ok = [header(args), ""], True
+    for script in CHECKS:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script)], cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+        try:
+            log, _ = proc.communicate(timeout=args.cap)
+            status = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+            status = f"cap {args.cap:.0f} s"
+        failed = [ln for ln in log.splitlines() if ln.startswith("FAIL")]
+        ok &= status == "ok" and not failed
+        lines += [f"#### {script}: {status}, {len(failed)} failed", "", "```", log.strip()[-4000:], "```", ""]
+    text = "\n".join(lines)
+    (out / "suite_checks.md").write_text(text)
+    print(text)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + text)
+    return 0 if ok else 1
+
+
 # -- profile ----------------------------------------------------------------------------------------
 def profile_row(row: Row, args, data_for, out: Path) -> Path:
     """A torch.profiler table (by device time) of two steps of `row`, trained in this process."""
@@ -362,7 +395,8 @@ def header(args) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=[*PARTS, "all"], default="transformer")
+    p.add_argument("--part", choices=[*PARTS, "checks", "all"], default="transformer",
+                   help="all: transformer and serial (checks runs alone)")
     p.add_argument("--out", default="", help="folder for the table, the logs and the runs (required)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
@@ -386,6 +420,12 @@ def main(argv=None) -> int:
         p.error("--steps and --warmup must each be at least 1 (the first step compiles)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.part == "checks":
+        import torch
+
+        if args.dry_run or not torch.cuda.is_available():
+            p.error("--part checks needs a CUDA device (it has no dry run: the CPU halves are pytest's)")
+        return run_checks(args, out)
     rows = [r for part, rs in PARTS.items() if args.part in (part, "all") for r in rs]
     if args.only:
         rows = [r for r in rows if any(o in r.name for o in args.only)]
