@@ -19,7 +19,8 @@ of ~1,000 tokens, with a small tokenizer.json naming the special tokens), one mi
 constant lr, log_every=1. Figures are medians over the steps after --warmup: input tokens/s, TFLOP/s
 and MFU by the registry's flops_per_token, the peak memory the trainer logs, compile time (the first
 step's time beyond a steady step), and the attention path that ran. Each row has a time cap (--cap);
-a row that passes it is marked and the suite goes on. The table is written to OUT/suite_<part>.md
+a row that passes it is marked and the suite goes on. On a GPU a run is stopped once its last step is
+recorded (its end-of-run evaluation and checkpoint would measure nothing). The table is written to OUT/suite_<part>.md
 (and .json) and, with --append FILE, appended to FILE with the device, torch, Triton, commit and date.
 --profile ROW captures a torch.profiler table of a few steps of that row (OUT/profile_<row>.txt).
 --dry-run checks every row's real config and overrides, then trains each architecture's tiny config
@@ -141,24 +142,36 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
               "compiled": row.compile and not args.dry_run, "micro": micro,
               }
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    capped = False
-    try:
-        log, _ = proc.communicate(timeout=args.cap)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        capped = True
+    log_path = out / f"log_{run_dir.name}.txt"
+    metrics = run_dir / "metrics.jsonl"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # On a GPU the run is stopped once its last step is recorded: the end-of-run evaluation (a
+        # second compilation, under no_grad) and checkpoint would spend the part's minutes measuring
+        # nothing. The dry run ends by itself, so the whole path is exercised on the CPU.
+        ended = "exit"
+        while proc.poll() is None:
+            if time.perf_counter() - t0 > args.cap:
+                ended = "cap"
+            elif not args.dry_run and last_step(metrics) >= steps:
+                ended = "last step"
+            if ended != "exit":
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+            time.sleep(0.5)
+    log = log_path.read_text()
     result["wall_s"] = time.perf_counter() - t0
-    (out / f"log_{run_dir.name}.txt").write_text(log)
     seq_len = 32 if args.dry_run else cfg.data.seq_len
     result["seq_len"] = seq_len
-    result.update(read_metrics(run_dir / "metrics.jsonl", args.warmup, micro * seq_len))
-    if capped and result.get("last_step") == steps:  # every step measured; the end-of-run evaluation was cut
-        result["status"] = f"ok (stopped at the {args.cap:.0f} s cap in the final evaluation)"
-    elif capped:
-        result["status"] = f"cap {args.cap:.0f} s after step {result.get('last_step', 0)} of {steps}"
+    result.update(read_metrics(metrics, args.warmup, micro * seq_len))
+    if ended == "last step":
+        result["status"] = "ok"
+    elif ended == "cap":
+        done = result.get("last_step", 0)
+        result["status"] = (f"ok (stopped at the {args.cap:.0f} s cap after its last step)" if done == steps
+                            else f"cap {args.cap:.0f} s after step {done} of {steps}")
     else:
         result["status"] = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
     paths = re.findall(r"kernels: (.*)", log)
@@ -167,6 +180,20 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
         tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
         result["error"] = tail[0][:200]
     return result
+
+
+def last_step(path: Path) -> int:
+    """The step of the last whole record in a run's metrics.jsonl (0 before the first)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line).get("step", 0))
+        except (json.JSONDecodeError, ValueError, TypeError, AttributeError):
+            continue  # a torn last line of a live run
+    return 0
 
 
 def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict:

@@ -39,3 +39,13 @@ def test_gpu_suite_refuses_an_unknown_profile_row(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "serial", "--dry-run",
                            "--out", str(tmp_path), "--profile", "baseline/s"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "--profile 'baseline/s' is not a row of --part serial" in proc.stderr
+
+
+def test_the_last_step_is_read_past_a_torn_line(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import last_step
+
+    path = tmp_path / "metrics.jsonl"
+    assert last_step(path) == 0  # no file yet: the run has not logged
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.9}\n{"step": 3, "lo')
+    assert last_step(path) == 2  # the live run's torn last line is skipped, not the run
