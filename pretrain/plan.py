@@ -242,19 +242,11 @@ def _virtual_options(spec, model_cfg, pp: int, M: int) -> list[int]:
 def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], parallel, dp: int, mb: int, flops: float,
                gpus: int) -> Candidate:
     """One layout with micro batch mb: the fullest rank's bytes and the step's estimate."""
-    from parallel.plan import engine_of, in_flight, state_bytes, step_time
+    from parallel.plan import engine_of, step_time
 
     T, tp, pp, policy = cfg.data.seq_len, parallel.tp, parallel.pp, parallel.recompute
     M = cfg.train.global_batch_seqs // (mb * dp)
-    bf16 = cfg.train.precision in ("auto", "bf16")  # on GPUs: activations in bf16, the logits in fp32 (about half)
-    whole = spec.activation_bytes(cfg.model, T, mb, policy)
-    worst, known = 0, whole is not None
-    for r in stages:
-        act = 0.0
-        if known:
-            act = whole * r.act_fraction / tp
-            act *= in_flight(pp, r.stage, M, parallel.virtual_stages) * (0.5 if bf16 else 1.0)
-        worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
+    worst, known = rank_bytes(cfg, spec, stages, parallel, dp, mb)
     steps, serial_flops = spec.serial_loop(cfg.model, T) or (0, 0.0)
     width, layers = spec.plan_shape(cfg.model)
     est = step_time(hw, flops_per_token=flops, tokens_per_step=cfg.tokens_per_step, gpus=gpus,
@@ -265,8 +257,42 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
     tps = cfg.tokens_per_step / est.total_s / gpus
     c = Candidate(tp, pp, dp, engine_of(parallel), policy, M, worst, known, est, tps, flops * tps / (hw.peak_tflops * 1e12))
     c.micro_batch, c.virtual = mb, parallel.virtual_stages
-    c.fits = worst + RESERVE_GIB * 2**30 <= memory_gib * 2**30
+    c.fits = fits(worst, memory_gib * 2**30)
     return c
+
+
+def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int) -> tuple[int, bool]:
+    """(the fullest rank's bytes with micro batch mb, whether its activations are in them): each stage's
+    weights, gradients and optimizer state (parallel/plan.py's table) and its activations (the registry's
+    activation_bytes x the stage's share / tp x the micro batches in flight, halved under bf16)."""
+    from parallel.plan import engine_of, in_flight, state_bytes
+
+    T, tp, pp = cfg.data.seq_len, parallel.tp, parallel.pp
+    M = cfg.train.global_batch_seqs // (mb * dp)
+    bf16 = cfg.train.precision in ("auto", "bf16")  # on GPUs: activations in bf16, the logits in fp32 (about half)
+    whole = spec.activation_bytes(cfg.model, T, mb, parallel.recompute)
+    worst, known = 0, whole is not None
+    for r in stages:
+        act = 0.0
+        if known:
+            act = whole * r.act_fraction / tp
+            act *= in_flight(pp, r.stage, M, parallel.virtual_stages) * (0.5 if bf16 else 1.0)
+        worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
+    return worst, known
+
+
+def fits(memory: int, capacity: float) -> bool:
+    """Whether a rank holding `memory` bytes fits a GPU of `capacity` bytes, RESERVE_GIB kept free."""
+    return memory + RESERVE_GIB * 2**30 <= capacity
+
+
+def rank_stages(cfg, dp: int) -> list[StageReport]:
+    """What each pipeline stage of cfg's own layout (parallel.tp, parallel.pp, dp data-parallel ranks)
+    holds, by a dry run without shapes (the micro batch does not matter here); in this process, which
+    must hold no process group."""
+    trial = replace(cfg, parallel=replace(cfg.parallel, virtual_stages=1),
+                    train=replace(cfg.train, compile=False, micro_batch_seqs=1))
+    return dry_run(trial, cfg.parallel.tp, cfg.parallel.pp, dp, shapes=False)
 
 
 def plan_lines(cfg, gpus: int, gpu: str, memory_gib: float | None, top: int = 12) -> list[str]:
@@ -333,9 +359,7 @@ def predict(cfg, gpus: int, gpu: str, engine: str = "ddp") -> Candidate:
               **{f"zero{z}": {"data_parallel": "deepspeed", "zero_stage": z} for z in (1, 2, 3)}}[engine]
     parallel = replace(cfg.parallel, **fields)
     dp = gpus // (tp * pp)
-    trial = replace(cfg, parallel=replace(parallel, virtual_stages=1),
-                    train=replace(cfg.train, compile=False, micro_batch_seqs=1))
-    stages = dry_run(trial, tp, pp, dp, shapes=False)
+    stages = rank_stages(replace(cfg, parallel=parallel), dp)
     spec = get_arch(cfg.model.arch)
     return _candidate(cfg, spec, hw, hw.memory_gib, stages, parallel, dp, cfg.train.micro_batch_seqs,
                       spec.flops_per_token(cfg.model, cfg.data.seq_len, None), gpus)

@@ -41,6 +41,7 @@ from pretrain.malloc import allocator_note
 from pretrain.metrics import MetricsLog, WandbLogger, device_peak_tflops, memory_gb, progress_line
 from pretrain.models import count_parameters, get_arch, meta_model
 from pretrain.models.base import EVAL, StepContext
+from pretrain.oom import step_memory_guard
 from pretrain.optim import build_optimizer, lr_at
 from pretrain.phase_timer import PhaseTimer
 from pretrain.preemption import StopOnSignal, StopRequested, sigint_deferred
@@ -376,7 +377,8 @@ class Trainer:
         try:
             stop.install()
             while self.step < t.max_steps:
-                self._optimizer_step(batches, window)
+                with step_memory_guard(self):  # out of memory: one sentence, nothing saved (pretrain/oom.py)
+                    self._optimizer_step(batches, window)
                 if self._log_due():
                     record = self._log_window(window)
                     window = Window.start(self.device, param_dtype(self.cfg.train))

@@ -7,11 +7,16 @@ forward at a listed step (1-based, as the trainer logs steps) returns
 - `raise_steps`: a RuntimeError raised in the backward (an exception inside the step, compiled or not),
   leaving `busy_compile_s` seconds of work in inductor's compile pools (thread pool and subprocess
   pool: what a process's exit would wait for; TORCHINDUCTOR_COMPILE_THREADS >= 2) when that is > 0;
+- `oom_steps`: torch.OutOfMemoryError raised in the forward, as the CUDA allocator raises it (on the
+  CPU too: tests/test_oom.py); the architecture has the baseline's activation estimate with
+  `activation_estimate`, none otherwise (the planner's two cases). `python fault_model.py train ...`
+  takes the device's memory from FAULT_MODEL_DEVICE_GIB when set (pretrain.oom.device_memory);
 
 on every rank, or only on `fault_rank` (>= 0). Production code holds no test hook: the architecture
 is registered as "test_faults" only by `registered()` (and unregistered after), so the registry-wide
 tests never see it; a subprocess or a spawned rank calls `register()` itself.
 """
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +39,8 @@ class FaultConfig(baseline.BaselineConfig):
     spike_factor: float = 20.0
     raise_steps: list[int] = field(default_factory=list)
     busy_compile_s: float = 0.0
+    oom_steps: list[int] = field(default_factory=list)
+    activation_estimate: bool = False
     fault_rank: int = -1  # -1: every rank; else only this global rank
 
 
@@ -72,6 +79,14 @@ def _maybe_raise_in_backward(loss, cfg, ctx):
     return loss
 
 
+@torch._dynamo.disable  # eager, outside a compiled graph (see above)
+def _maybe_out_of_memory(cfg, ctx):
+    if ctx.step + 1 in cfg.oom_steps:
+        print(f"fault_model: out of memory in the forward of step {ctx.step + 1}", file=sys.stderr, flush=True)
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 20.00 GiB (injected in step "
+                                     f"{ctx.step + 1} by tests/fault_model.py)")
+
+
 def _this_rank() -> int:
     import torch.distributed as dist
 
@@ -92,12 +107,16 @@ class Faulty(baseline.TransformerPP):
             loss = loss * c.spike_factor
         if c.raise_steps:
             loss = _maybe_raise_in_backward(loss, c, ctx)
+        if c.oom_steps:
+            _maybe_out_of_memory(c, ctx)
         return loss, diagnostics
 
 
 SPEC = ArchSpec(name=NAME, config_cls=FaultConfig, build=Faulty, flops_per_token=baseline.flops_per_token,
                 flops_formula=baseline.FLOPS_FORMULA, tp_dims=baseline.decoder.tp_dims,
-                recompute_units=lambda model: list(model.blocks))
+                recompute_units=lambda model: list(model.blocks),
+                activation_bytes=lambda cfg, T, b, policy: baseline.decoder.activation_bytes(cfg, T, b, policy)
+                if cfg.activation_estimate else None)
 
 
 def register() -> ArchSpec:
@@ -117,6 +136,11 @@ def cli_main() -> int:
     """`pretrain` (pretrain.cli.main, as the program: its arguments from sys.argv) with this
     architecture registered: python fault_model.py train ..."""
     register()
+    if os.environ.get("FAULT_MODEL_DEVICE_GIB"):  # the device's memory, as a GPU would report it
+        import pretrain.oom
+
+        total = int(float(os.environ["FAULT_MODEL_DEVICE_GIB"]) * 2**30)
+        pretrain.oom.device_memory = lambda device: (total, None)
     from pretrain.cli import main
 
     return main()
