@@ -7,7 +7,8 @@ picks, runs and records the path for every call.
     ATTENTION.register("reference", reference.attention, auto=False)   # only when forced
     out = ATTENTION(q, k, v, mask, offset=0)
 
-Picking: the forced path if one is set, else the capable automatic path of highest priority. A
+Picking: the forced path if one is set, else the capable automatic path of highest priority, or,
+for an op that measures (below), the fastest capable one measured for calls like this one. A
 capability check sees the call's arguments and reads only Python values (devices, dtypes,
 requires_grad; never tensor data, so no device sync); under torch.compile those reads happen at
 trace time and dynamo guards on them.
@@ -19,6 +20,31 @@ CUDA-only kernel on the CPU) is an error naming both, never a silent fallback: a
 why when the path registers a `refusal` (a check that returns its reason instead of False).
 pretrain/kernel_probe.py raises it before a run starts, from a forward of the model on fake tensors.
 
+Measured choice (op.measure_with(Measured(key, inputs)); attention opts in: which path is fastest
+depends on the mask kind and the shape, which one number per path cannot say). It applies when more
+than one automatic path can serve a call, nothing is forced, measuring is on, and the op's key(*args)
+names the call (None: not measured; attention's key is None off CUDA, so CPU calls, and with them every
+CPU test and golden loss curve, go by the static priority exactly as before). The first call of a key
+runs forward + backward (forward only where no input requires grad) of every capable path on
+inputs(key): fresh synthetic tensors of the key's shape and dtype, never the caller's, with autocast
+off and saved-tensor hooks (an enclosing activation checkpoint's) shadowed. The timer is injectable
+(Measured.timer; tests use a fake clock); the default, wall_time, syncs the device around each of REPS
+calls after WARMUP and takes the median. The fastest path wins, except that a higher-priority path within
+MARGIN of it keeps the key (near ties do not flip between runs); the static priority is the order of
+the candidates. A path that raises while measured is dropped from that key with its reason. The choice
+and every timing are kept for the life of the process (one measurement per key per process, and per
+rank: ranks measure on their own), and that key dispatches to it from then on. Not measured, and not
+cached, under a tensor dispatch mode (fake tensors, a FLOP counter) or a CUDA graph capture: those calls
+go by priority. choices() and describe_choices() report "attention [key]: triton (2.10 ms fwd+bwd) over
+sdpa (3.40 ms)", and describe_paths_used() appends the choices of the ops that ran.
+
+Under torch.compile the choice is made at trace time: _choose takes Python values only (the op's name,
+the key, the candidates' names) and carries dynamo's assume_constant_result mark, so dynamo calls it for
+real, not traced, while it traces the op; it measures on real tensors, outside any graph, and dynamo
+keeps the returned name as a constant and traces that path alone. A key of symbolic sizes (dynamic
+shapes) is not measured. PRETRAIN_KERNELS_MEASURE=0 (or measuring(False) in code) turns measuring off:
+static priority everywhere.
+
 paths_used() reports {op: paths that ran} since reset_paths_used(); the trainer and the generator
 print it once. Recording is a set.add: inside a compiled region dynamo keeps the mutation of this
 module-level dict's sets as a side effect and replays it after each run of the graph, so compiled and
@@ -27,10 +53,17 @@ eager runs report alike.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
 
 ENV = "PRETRAIN_KERNELS"
+MEASURE_ENV = "PRETRAIN_KERNELS_MEASURE"
+WARMUP, REPS = 2, 5  # per path and key: the warm-ups absorb Triton's JIT and FlexAttention's compile
+MARGIN = 0.03  # a higher-priority path within 3% of the fastest keeps the call (stable choice on near ties)
 
 
 @dataclass(frozen=True)
@@ -62,6 +95,171 @@ def _env_choices() -> dict[str, str]:
 _used: dict[str, set[str]] = {}
 
 
+def _env_measure() -> bool:
+    return os.environ.get(MEASURE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_measure_on = _env_measure()  # read once: a module global is what dynamo guards on (a change recompiles)
+
+
+def measuring(on: bool | None = None) -> bool:
+    """Whether measured choices are made (PRETRAIN_KERNELS_MEASURE, default on); measuring(False) turns
+    them off in code (static priority everywhere), measuring(True) back on. Returns the setting."""
+    global _measure_on
+    if on is not None:
+        _measure_on = bool(on)
+    return _measure_on
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def wall_time(run: Callable[[], object], warmup: int = WARMUP, reps: int = REPS) -> float:
+    """The default timer: seconds per run() (median of `reps` after `warmup`), the device synced around
+    each timed call so queued kernels are counted (a sync costs microseconds; the calls take milliseconds)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        run()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """How an op opts in to measured choices (see the module docstring)."""
+    key: Callable[..., Hashable | None]  # (*call args) -> calls that share a choice; None: not measured
+    inputs: Callable[[Hashable], tuple[tuple, dict] | None]  # key -> (args, kwargs) of fresh synthetic tensors
+    timer: Callable[[Callable[[], object]], float] | None = None  # run -> seconds per run; None: wall_time
+    describe: Callable[[Hashable], str] = str  # key -> words for the report
+
+
+@dataclass
+class Choice:
+    """One key's measured choice: the path, each path's seconds per forward + backward, the dropped ones."""
+    op: str
+    key: Hashable
+    where: str  # the key in words
+    path: str
+    seconds: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)  # path -> why it was not measured
+    backward: bool = True
+    note: str = ""  # why nothing was measured (the path is then the first by priority)
+
+    def __str__(self) -> str:
+        what = "fwd+bwd" if self.backward else "fwd"
+        text = f"{self.op} [{self.where}]: {self.path}"
+        if self.note:
+            return f"{text} (by priority; not measured: {self.note})"
+        if self.path in self.seconds:
+            text += f" ({self.seconds[self.path] * 1e3:.2f} ms {what})"
+        others = [f"{n} ({t * 1e3:.2f} ms)" for n, t in sorted(self.seconds.items(), key=lambda i: i[1])
+                  if n != self.path]
+        if others:
+            text += " over " + ", ".join(others)
+        if self.dropped:
+            text += "; dropped " + ", ".join(f"{n} ({why})" for n, why in self.dropped.items())
+        return text
+
+
+_choices: dict[str, dict[tuple, Choice]] = {}
+
+
+def _fwd_bwd(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[[], object], bool]:
+    """A run() of fn on these inputs: forward, and backward into the inputs that require grad (through
+    autograd.grad: nothing accumulates in .grad between runs); whether it has a backward."""
+    leaves = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def run():
+        if not leaves:
+            with torch.no_grad():
+                return fn(*args, **kwargs)
+        with torch.enable_grad():  # dynamo traces with grad off: a trace-time measurement turns it on
+            out = fn(*args, **kwargs)
+            outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                    if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs], allow_unused=True)
+        return out
+
+    return run, bool(leaves)
+
+
+def _not_measurable_now() -> bool:
+    """A tensor mode (fake tensors, a FLOP counter) or a CUDA graph capture: timings would be
+    meaningless or the capture broken. The call goes by priority, and nothing is cached."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _reason(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[:1]
+    return f"{type(e).__name__}: {first[0][:160]}" if first else type(e).__name__
+
+
+def _measure(op: Op, key: Hashable, names: tuple[str, ...]) -> Choice | None:
+    m = op.measured
+    made = m.inputs(key)
+    if made is None:
+        return None
+    args, kwargs = made
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    from torch._subclasses.fake_tensor import is_fake
+    if any(is_fake(t) for t in tensors):
+        return None
+    device = tensors[0].device.type if tensors else "cpu"
+    timer = m.timer or wall_time
+    choice = Choice(op.name, key, m.describe(key), names[0])
+    # autocast off: the inputs are in the key's dtype already; identity saved-tensor hooks shadow an
+    # enclosing activation checkpoint's, which must not see these synthetic graphs
+    with torch.autocast(device, enabled=False), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        for name in names:
+            run, choice.backward = _fwd_bwd(op.paths[name].fn, args, kwargs)
+            try:
+                choice.seconds[name] = float(timer(run))
+            except Exception as e:  # noqa: BLE001 - any failure drops the path from this key, said why
+                choice.dropped[name] = _reason(e)
+    if choice.seconds:
+        best = min(choice.seconds.values())
+        choice.path = next(n for n in names if n in choice.seconds and choice.seconds[n] <= best * (1 + MARGIN))
+    return choice
+
+
+def _choose(op_name: str, key: Hashable, names: tuple[str, ...]) -> str | None:
+    """The path for (key, candidate names): measured on the first call, cached after. Under
+    torch.compile dynamo runs this for real at trace time (its arguments are Python values) and keeps its
+    result as a constant: the measurement happens outside the graph. None: go by priority."""
+    cache = _choices.setdefault(op_name, {})
+    hit = cache.get((key, names))
+    if hit is not None:
+        return hit.path
+    if _not_measurable_now():
+        return None
+    op = _OPS[op_name]
+    try:
+        choice = _measure(op, key, names)
+    except Exception as e:  # noqa: BLE001 - the inputs or the hooks failed: by priority, said why, not retried
+        choice = Choice(op_name, key, op.measured.describe(key), names[0], note=_reason(e))
+    if choice is None:
+        return None
+    cache[(key, names)] = choice
+    return choice.path
+
+
+# what torch._dynamo.assume_constant_result(_choose) sets, set here without importing dynamo (2 s at
+# import on a CPU); tests/test_kernel_measure.py checks the decorator still sets exactly this
+_choose._dynamo_marked_constant = True
+
+
 class Op:
     """One op's dispatcher: its registered paths, the forced one (if any), and what ran."""
 
@@ -71,6 +269,7 @@ class Op:
         self._automatic: list[Path] = []  # automatic paths, highest priority first
         self._forced: str | None = None
         self._forced_from = ""
+        self.measured: Measured | None = None  # set by measure_with: measured choices per key
         # what the environment asks for, checked against the registered paths at the first call
         # (the paths register after the op is created)
         wanted = _env_choices().get(name) or (os.environ.get(legacy_env) or None if legacy_env else None)
@@ -90,6 +289,11 @@ class Op:
         self.paths[name] = Path(name, fn, capable, priority, auto, refusal)
         self._automatic = sorted((p for p in self.paths.values() if p.auto), key=lambda p: -p.priority)
         return fn
+
+    def measure_with(self, measured: Measured | None) -> None:
+        """Opt in to measured choices (None: static priority only); forgets this op's earlier choices."""
+        self.measured = measured
+        _choices.pop(self.name, None)
 
     def force(self, name: str | None, source: str = "force") -> None:
         """Run every later call on path `name`; None returns to picking by capability."""
@@ -117,10 +321,23 @@ class Op:
                                   f"this call: {why or 'its capability check refused the device, dtype or arguments'}"
                                   f"; unset it or choose another of {', '.join(self.paths)}")
             return path
-        for path in self._automatic:
+        for i, path in enumerate(self._automatic):
             if path.capable is None or path.capable(*args, **kwargs):
-                return path
+                if self.measured is None or not _measure_on:
+                    return path  # static priority
+                # a measured op: the first capable path unless its key (None on a CPU) has a measured choice
+                return self._measured_pick(path, self._automatic[i + 1:], args, kwargs)
         raise RuntimeError(f"no {self.name} path can serve this call (registered: {', '.join(self.paths)})")
+
+    def _measured_pick(self, first: Path, rest: list[Path], args, kwargs) -> Path:
+        key = self.measured.key(*args, **kwargs)
+        if key is None:
+            return first
+        names = (first.name, *(p.name for p in rest if p.capable is None or p.capable(*args, **kwargs)))
+        if len(names) == 1:
+            return first
+        chosen = _choose(self.name, key, names)
+        return first if chosen is None else self.paths[chosen]
 
     def __call__(self, *args, **kwargs):
         path = self.pick(*args, **kwargs)
@@ -160,6 +377,25 @@ def reset_paths_used() -> None:
         paths.clear()
 
 
+def choices() -> dict[str, list[Choice]]:
+    """{op: its measured choices, one per key} made in this process (none on a CPU)."""
+    return {name: list(c.values()) for name, c in sorted(_choices.items()) if c}
+
+
+def reset_choices() -> None:
+    """Forget every measured choice (the next call of each key measures again): tests."""
+    _choices.clear()
+
+
+def describe_choices() -> str:
+    """One clause per choice: "attention [causal & document, ...]: triton (2.10 ms fwd+bwd) over sdpa (3.40 ms)"."""
+    return "; ".join(str(c) for cs in choices().values() for c in cs)
+
+
 def describe_paths_used() -> str:
-    """One line for logs: "attention sdpa, rt_prefill tiled" (or "none dispatched")."""
-    return ", ".join(f"{name} {'+'.join(paths)}" for name, paths in paths_used().items()) or "none dispatched"
+    """One line for logs: "attention sdpa, rt_prefill tiled" (or "none dispatched"), then the measured
+    choices of the ops that ran, if any ("; measured attention [...]: triton (2.10 ms fwd+bwd) over ...")."""
+    used = paths_used()
+    text = ", ".join(f"{name} {'+'.join(paths)}" for name, paths in used.items()) or "none dispatched"
+    made = [str(c) for name, cs in choices().items() if name in used for c in cs]
+    return text + ("; measured " + "; ".join(made) if made else "")

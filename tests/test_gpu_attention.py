@@ -63,7 +63,18 @@ def test_sdpa_on_cuda_matches_the_float64_reference(dtype, kind, heads, alibi):
     torch.testing.assert_close(dec.double(), want[:, :, -5:].detach(), **TOL[dtype])
 
 
-def test_compiled_attention_on_cuda_reports_and_matches_eager():
+@pytest.fixture
+def static_priority():
+    """The static order of the paths (measured choices are tested in tests/test_kernel_measure.py)."""
+    from kernels import registry
+
+    was = registry.measuring()
+    registry.measuring(False)
+    yield
+    registry.measuring(was)
+
+
+def test_compiled_attention_on_cuda_reports_and_matches_eager(static_priority):
     torch._dynamo.reset()
     B, H, T, Dh = 2, 4, 64, 32
     q, k, v = (torch.randn(B, H, T, Dh, device="cuda", requires_grad=True) for _ in range(3))
@@ -124,7 +135,7 @@ def test_block_sparse_paths_on_cuda_match_the_float64_reference(path, dtype, kin
         torch.testing.assert_close(got.double(), ref, **{k: 10 * v for k, v in TOL[dtype].items()})
 
 
-def test_the_dispatcher_picks_a_block_sparse_path_for_masked_training_on_cuda():
+def test_the_dispatcher_picks_a_block_sparse_path_for_masked_training_on_cuda(static_priority):
     B, H, T, Dh = 2, 4, 256, 64
     q, k, v = (torch.randn(B, H, T, Dh, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     attn.use_path(None)

@@ -24,7 +24,10 @@ the call (devices, dtypes, shapes, whether autograd needs a backward: Python val
                  every call (ALiBi, dropout), and plain causal attention, where its own causal kernels
                  need no mask and are the fastest
     "reference"  the naive definition (reference.py): only when forced
-The block-sparse paths skip plain causal masks (SDPA's causal kernels win there) unless forced. Force
+On CUDA, where more than one path can serve a call, the priority is only the order of candidates: the
+first call of each mask kind and shape measures their forward + backward on stand-in inputs and keeps
+the fastest (kernels/attention/measured.py; PRETRAIN_KERNELS_MEASURE=0 turns it off). The block-sparse
+paths skip plain causal masks (SDPA's causal kernels win there) unless forced. Force
 one with PRETRAIN_KERNELS=attention=<path> (or the older PRETRAIN_ATTENTION=<path>), or use_path(name)
 in code; paths_used() names the paths that ran since reset_paths_used().
 """
@@ -33,7 +36,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from kernels import registry
-from kernels.attention import flash_varlen, flex, masks, reference, sdpa, triton_path
+from kernels.attention import flash_varlen, flex, masks, measured, reference, sdpa, triton_path
 from kernels.attention.masks import Mask, causal, decoder_mask, document, full, is_causal, prefix, window
 from kernels.attention.reference import document_causal_mask
 
@@ -58,6 +61,9 @@ OP.register("triton", triton_path.attention, priority=30, refusal=_block_sparse(
 OP.register("flex", flex.attention, priority=20, refusal=_block_sparse(flex.refusal, "flex"))
 OP.register("sdpa", sdpa.attention, priority=10)
 OP.register("reference", reference.attention, auto=False)
+# on CUDA the first call of each mask kind and shape times its capable paths' forward + backward and
+# keeps the fastest (kernels/registry.py, measured.py); CPU calls keep the priorities above
+OP.measure_with(registry.Measured(measured.key, measured.inputs, describe=measured.describe))
 PATHS = tuple(OP.paths)
 GENERAL_PATHS = ("sdpa", "reference")  # the paths that serve every call on every device (float64, ALiBi, backward on CPU)
 

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from data_tools.tokenizer import PREDICT_PIECE
 from kernels.attention import Mask
+from kernels.attention import measured as attention_measured
 from kernels.attention.masks import document_bounds
 from parallel.layers import gather_sequence, local_sequence
 from pretrain.models import decoder
@@ -178,6 +179,28 @@ def slot_tables(T: int, device, interleaved: bool = False) -> tuple[Tensor, Tens
     (the model's layout), or interleaved (x_1, ρ_1, ..., the definition)."""
     s = torch.arange(2 * T, device=device)
     return (s // 2, s % 2) if interleaved else (s % T, s // T)
+
+
+def _slot_kind(mask: SlotMask):
+    """What decides an attention path's speed on an SPS mask (kernels/attention/measured.py): the
+    variant's window and whether documents are masked. Only the training and prefill mask (the one with
+    closed runs) is measured; a decode step's keeps the static priority."""
+    if mask.tokens is None:
+        return None
+    return ("SlotMask", mask.persistent, mask.w, mask.doc is not None, mask.name)
+
+
+def _slot_stand_in(kind, B: int, Tq: int, Tk: int, device) -> SlotMask | None:
+    _, persistent, w, docs, name = kind
+    if Tq != Tk or Tq % 2:
+        return None
+    T = Tq // 2
+    tok, k = slot_tables(T, device)
+    doc = attention_measured.doc_ids(B, T, device).repeat(1, 2) if docs else None
+    return SlotMask(tok, k, tok, k, persistent, w, doc, doc, name, tokens=T)
+
+
+attention_measured.register(SlotMask, _slot_kind, _slot_stand_in)
 
 
 class SPSState:
