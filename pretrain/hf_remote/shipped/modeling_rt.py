@@ -81,14 +81,16 @@ class Mask:
     def cached(self, key: tuple, build: Callable[[], object]):
         """build(), kept on this mask value for the next call with the same key (the same view at the same
         shape: every layer of one forward shares it), one entry per view name key[0]; stored only outside
-        compiled regions (inside one the value is part of the traced graph)."""
+        compiled regions (inside one the value is part of the traced graph), nor read there: dynamo in
+        torch 2.11 cannot trace `__dict__.setdefault` (fullgraph failed on an H200)."""
+        if torch.compiler.is_compiling():
+            return build()
         views = self.__dict__.setdefault("_views", {})
         hit = views.get(key[0])
         if hit is not None and hit[0] == key:
             return hit[1]
         value = build()
-        if not torch.compiler.is_compiling():
-            views[key[0]] = (key, value)
+        views[key[0]] = (key, value)
         return value
 
     def closed_runs(self, B: int, Tq: int, Tk: int, offset: int = 0, device=None) -> Tensor | None:
