@@ -43,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EOD, PREDICT = 2, 4  # the suite's tokenizer: <unk> <s> </s> <pad> <predict>, then ordinary tokens
+DRY_MICRO, DRY_T = 2, 32  # a dry run's micro batch and sequence length: seconds per row on a CPU
 
 
 @dataclass
@@ -116,69 +117,78 @@ def row_overrides(row: Row, micro: int, steps: int, data: str, tok: str, run_dir
            "train.eval_every=0", "train.eval_batches=1", "schedule.kind=constant", "schedule.warmup_steps=0",
            f"checkpoint.every={steps + 1}", f"train.compile={str(row.compile and not dry).lower()}"]
     if dry:  # seconds per row on a CPU: the machinery runs, not the model's size
-        out += ["train.device=cpu", "data.num_workers=0", "log.peak_tflops=1.0", "data.seq_len=32"]
+        out += ["train.device=cpu", "data.num_workers=0", "log.peak_tflops=1.0", f"data.seq_len={DRY_T}"]
     return out
 
 
-def tiny_of(config: str) -> str:
-    return config.split("/")[0] + "/tiny"
+def row_shape(row: Row, args):
+    """(the config a row trains, it loaded, its micro batch, its sequence length): the paper config as the
+    row says, or in a dry run its architecture's tiny config at DRY_MICRO x DRY_T."""
+    from pretrain.config import load_config
+
+    config = row.config.split("/")[0] + "/tiny" if args.dry_run else row.config
+    cfg = load_config(config, row.overrides, check_data=False)
+    if args.dry_run:
+        return config, cfg, DRY_MICRO, DRY_T
+    return config, cfg, row.micro or cfg.train.micro_batch_seqs, cfg.data.seq_len
+
+
+def run_capped(cmd: list[str], cap: float, log_path: Path, stop=lambda: False, env=None) -> tuple[str, int, str, float]:
+    """Run `cmd` in a process group of its own, its output to log_path, until it exits, `cap` seconds
+    pass or stop() says so (then the group is killed): (how it ended: exit | cap | stop, its return
+    code, its output, wall seconds)."""
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        ended = "exit"
+        while proc.poll() is None:
+            ended = "cap" if time.perf_counter() - t0 > cap else "stop" if stop() else "exit"
+            if ended != "exit":
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+            time.sleep(0.5)
+    return ended, proc.returncode, log_path.read_text(), time.perf_counter() - t0
+
+
+def last_line(log: str) -> str:
+    return ([ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"])[0][:200]
 
 
 def run_row(row: Row, args, data_for, out: Path) -> dict:
     from pretrain.config import load_config
 
     load_config(row.config, row.overrides, check_data=False)  # the paper config and overrides are accepted
-    config = tiny_of(row.config) if args.dry_run else row.config
-    cfg = load_config(config, row.overrides, check_data=False)
+    config, cfg, micro, seq_len = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)
     run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", row.name)
     steps = args.warmup + args.steps
-    micro = 2 if args.dry_run else (row.micro or cfg.train.micro_batch_seqs)
     overrides = row_overrides(row, micro, steps, data, tok, run_dir, args.dry_run)
     if args.dry_run:
         overrides = [o for o in overrides if not o.startswith(("model.predict_id", "model.eos_id"))]
-    cmd = [sys.executable, "-m", "pretrain.cli", "train", config, *overrides]
-    result = {"row": row.name, "config": row.config, "params": None, "note": row.note,
-              "compiled": row.compile and not args.dry_run, "micro": micro,
-              }
-    t0 = time.perf_counter()
-    log_path = out / f"log_{run_dir.name}.txt"
+    result = {"row": row.name, "config": row.config, "note": row.note, "compiled": row.compile and not args.dry_run,
+              "micro": micro, "seq_len": seq_len}
     metrics = run_dir / "metrics.jsonl"
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        # On a GPU the run is stopped once its last step is recorded: the end-of-run evaluation (a
-        # second compilation, under no_grad) and checkpoint would spend the part's minutes measuring
-        # nothing. The dry run ends by itself, so the whole path is exercised on the CPU.
-        ended = "exit"
-        while proc.poll() is None:
-            if time.perf_counter() - t0 > args.cap:
-                ended = "cap"
-            elif not args.dry_run and last_step(metrics) >= steps:
-                ended = "last step"
-            if ended != "exit":
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                break
-            time.sleep(0.5)
-    log = log_path.read_text()
-    result["wall_s"] = time.perf_counter() - t0
-    seq_len = 32 if args.dry_run else cfg.data.seq_len
-    result["seq_len"] = seq_len
+    # On a GPU the run is stopped once its last step is recorded: the end-of-run evaluation (a second
+    # compilation, under no_grad) and checkpoint would spend the part's minutes measuring nothing. The
+    # dry run ends by itself, so the whole path is exercised on the CPU.
+    ended, rc, log, result["wall_s"] = run_capped(
+        [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], args.cap, out / f"log_{run_dir.name}.txt",
+        stop=lambda: not args.dry_run and last_step(metrics) >= steps)
     result.update(read_metrics(metrics, args.warmup, micro * seq_len))
-    if ended == "last step":
+    if ended == "stop":
         result["status"] = "ok"
     elif ended == "cap":
         done = result.get("last_step", 0)
         result["status"] = (f"ok (stopped at the {args.cap:.0f} s cap after its last step)" if done == steps
                             else f"cap {args.cap:.0f} s after step {done} of {steps}")
     else:
-        result["status"] = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
+        result["status"] = "ok" if rc == 0 else f"rc {rc}"
     paths = re.findall(r"kernels: (.*)", log)
     result["paths"] = paths[-1].strip() if paths else ""
     if not result["status"].startswith("ok"):
-        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
-        result["error"] = tail[0][:200]
+        result["error"] = last_line(log)
     return result
 
 
@@ -223,7 +233,7 @@ def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict:
 
 
 # -- Hugging Face Llama at the baseline's shape ---------------------------------------------------
-def hf_row(config: str, overrides: list[str], micro: int, steps: int, warmup: int, dry: bool) -> dict:
+def hf_row(config: str, overrides: list[str], micro: int, seq_len: int, steps: int, warmup: int, dry: bool) -> dict:
     """LlamaForCausalLM built from `config` through the export adapter, trained as our trainer trains:
     bf16 autocast on CUDA, fused AdamW, torch.compile, the same micro batch; host-timed steps, each ending in one sync (as the
     trainer's steps do)."""
@@ -241,7 +251,7 @@ def hf_row(config: str, overrides: list[str], micro: int, steps: int, warmup: in
     model = LlamaForCausalLM(LlamaConfig(**hf, attn_implementation="sdpa")).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     compiled = model if dry else torch.compile(model)
-    T = 32 if dry else cfg.data.seq_len
+    T = seq_len
     tokens = torch.randint(PREDICT + 1, m.vocab_size, (micro, T), device=device)
     autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     times, t_first = [], 0.0
@@ -268,32 +278,20 @@ def hf_row(config: str, overrides: list[str], micro: int, steps: int, warmup: in
 
 
 def run_hf(row: Row, args, out: Path) -> dict:
-    from pretrain.config import load_config
-
-    config = tiny_of(row.config) if args.dry_run else row.config
-    micro = row.micro or load_config(row.config, check_data=False).train.micro_batch_seqs
-    if args.dry_run:
-        micro = 2
-    spec = {"config": config, "overrides": row.overrides, "micro": micro, "steps": args.steps,
+    config, _, micro, seq_len = row_shape(row, args)
+    spec = {"config": config, "overrides": row.overrides, "micro": micro, "seq_len": seq_len, "steps": args.steps,
             "warmup": args.warmup, "dry": args.dry_run}
     result = {"row": f"HF Llama ({row.name})", "config": row.config, "note": "transformers LlamaForCausalLM, "
               "compiled, fused AdamW" if not args.dry_run else "transformers LlamaForCausalLM",
-              "compiled": not args.dry_run, "micro": micro, "seq_len": 32 if args.dry_run else load_config(config, check_data=False).data.seq_len}
-    t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--hf-row", json.dumps(spec)], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=args.cap)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        return {**result, "status": f"cap {args.cap:.0f} s", "wall_s": time.perf_counter() - t0}
-    (out / "log_hf.txt").write_text(log)
+              "compiled": not args.dry_run, "micro": micro, "seq_len": seq_len}
+    ended, rc, log, result["wall_s"] = run_capped([sys.executable, __file__, "--hf-row", json.dumps(spec)], args.cap,
+                                                  out / "log_hf.txt")
+    if ended == "cap":
+        return {**result, "status": f"cap {args.cap:.0f} s"}
     found = [ln for ln in log.splitlines() if ln.startswith("HF_RESULT ")]
-    if proc.returncode or not found:
-        tail = [ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
-        return {**result, "status": f"rc {proc.returncode}", "error": tail[0][:200], "wall_s": time.perf_counter() - t0}
-    return {**result, **json.loads(found[-1][len("HF_RESULT "):]), "wall_s": time.perf_counter() - t0}
+    if rc or not found:
+        return {**result, "status": f"rc {rc}", "error": last_line(log)}
+    return {**result, **json.loads(found[-1][len("HF_RESULT "):])}
 
 
 # -- the CUDA checks ---------------------------------------------------------------------------------
@@ -304,16 +302,10 @@ def run_checks(args, out: Path) -> int:
     """Each check script as a subprocess under the cap; its PASS/FAIL lines and timings into one file."""
     lines, ok = [header(args), ""], True
     for script in CHECKS:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / script)], cwd=ROOT, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
-        try:
-            log, _ = proc.communicate(timeout=args.cap)
-            status = "ok" if proc.returncode == 0 else f"rc {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            status = f"cap {args.cap:.0f} s"
+        ended, rc, log, _ = run_capped([sys.executable, str(ROOT / "benchmarks" / script)], args.cap,
+                                       out / f"log_{script[:-3]}.txt",
+                                       env={"PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
+        status = f"cap {args.cap:.0f} s" if ended == "cap" else "ok" if rc == 0 else f"rc {rc}"
         failed = [ln for ln in log.splitlines() if ln.startswith("FAIL")]
         ok &= status == "ok" and not failed
         lines += [f"#### {script}: {status}, {len(failed)} failed", "", "```", log.strip()[-4000:], "```", ""]
@@ -335,10 +327,8 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
 
-    config = tiny_of(row.config) if args.dry_run else row.config
-    cfg = load_config(config, row.overrides, check_data=False)
+    config, cfg, micro, _ = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)
-    micro = 2 if args.dry_run else (row.micro or cfg.train.micro_batch_seqs)
     run_dir = out / "runs" / ("profile_" + re.sub(r"[^A-Za-z0-9_.-]", "_", row.name))
     trainer = Trainer(load_config(config, row_overrides(row, micro, args.warmup + 2, data, tok, run_dir, args.dry_run)))
     cuda = torch.cuda.is_available() and not args.dry_run

@@ -137,7 +137,7 @@ class NoTimer:
     """forward_backward's timer when the caller times nothing."""
 
     def mark(self, phase: str) -> None:
-        pass
+        """Records nothing."""
 
 
 # -- the shared reductions -------------------------------------------------------------------------

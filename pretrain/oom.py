@@ -41,33 +41,29 @@ class OutOfDeviceMemory(ConfigError):
     """A micro batch too large for the device, in one sentence with the planner's figures."""
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """Whether `error`, or an exception it wraps (its cause, its context, a compiler's inner_exception),
-    is torch's OutOfMemoryError."""
-    seen, todo = set(), [error]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OOM_ERRORS):
-            return True
-        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
-    return False
-
-
-def _drop_frames(error: BaseException) -> None:
-    """Clear the locals of every finished frame in the tracebacks of `error` and what it wraps (the failed
-    step's activations, loss and micro batches), so that the memory is free before anything else runs."""
+def _chain(error: BaseException):
+    """`error` and every exception it wraps (its cause, its context, a compiler's inner_exception), each once."""
     seen, todo = set(), [error]
     while todo:
         e = todo.pop()
         if not isinstance(e, BaseException) or id(e) in seen:
             continue
         seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error`, or an exception it wraps, is torch's OutOfMemoryError."""
+    return any(isinstance(e, OOM_ERRORS) for e in _chain(error))
+
+
+def _drop_frames(error: BaseException) -> None:
+    """Clear the locals of every finished frame in the tracebacks of `error` and what it wraps (the failed
+    step's activations, loss and micro batches), so that the memory is free before anything else runs."""
+    for e in list(_chain(error)):  # the whole chain first: clearing a traceback does not change the links
         traceback.clear_frames(e.__traceback__)  # a frame still running (the trainer's loop) is left alone
         e.__traceback__ = None
-        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:
@@ -103,8 +99,10 @@ class Estimate:
 def micro_batch_options(cfg, dp: int) -> list[int]:
     """The micro batches that keep the global batch (gradient accumulation): the divisors of its share per
     data-parallel rank."""
+    from pretrain.plan import divisors
+
     per_rank = cfg.train.global_batch_seqs // dp
-    return [k for k in range(1, per_rank + 1) if per_rank % k == 0]
+    return divisors(per_rank, per_rank)
 
 
 def estimate(cfg, dp: int, stages=None) -> Estimate:

@@ -178,7 +178,7 @@ class Candidate:
     virtual: int = 1  # parallel.virtual_stages
 
 
-def _divisors(n: int, limit: int) -> list[int]:
+def divisors(n: int, limit: int) -> list[int]:
     return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
 
 
@@ -194,8 +194,8 @@ def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], 
     engines = {"ddp": {}, "megatron-distopt": {"data_parallel": "megatron", "distributed_optimizer": True},
                **{f"zero{z}": {"data_parallel": "deepspeed", "zero_stage": z} for z in (1, 2, 3)}}
     out, refused, inventory = [], {}, {}
-    for tp in _divisors(gpus, hw.gpus_per_node):
-        for pp in _divisors(gpus // tp, 64):
+    for tp in divisors(gpus, hw.gpus_per_node):
+        for pp in divisors(gpus // tp, 64):
             dp = gpus // (tp * pp)
             if cfg.train.global_batch_seqs % dp:
                 refused["train.global_batch_seqs does not split over the data-parallel ranks"] = \
@@ -215,7 +215,7 @@ def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], 
                     if (tp, pp) not in inventory:  # what each stage holds (the micro batch does not matter here)
                         inventory[(tp, pp)] = dry_run(replace(trial, train=replace(trial.train, micro_batch_seqs=1)),
                                                       tp, pp, dp, shapes=False)
-                    for mb in _divisors(cfg.train.global_batch_seqs // dp, 64):  # the micro batch is free too
+                    for mb in divisors(cfg.train.global_batch_seqs // dp, 64):  # the micro batch is free too
                         M = cfg.train.global_batch_seqs // (mb * dp)
                         for v in _virtual_options(spec, cfg.model, pp, M):
                             out.append(_candidate(cfg, spec, hw, memory_gib, inventory[(tp, pp)],
