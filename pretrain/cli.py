@@ -1,4 +1,5 @@
-"""`pretrain`: train, evaluate, sample, plot, size, export and import models. Run `pretrain VERB --help`.
+"""`pretrain`: train, evaluate, sample, plot, size, export and import models; index, compare and reproduce
+experiments (pretrain/cli_experiments.py). Run `pretrain VERB --help`.
 
 torch is imported inside the verbs, so `pretrain --help` answers at once.
 """
@@ -33,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_training_verbs(verbs)
     _add_folder_verbs(verbs)
     _add_tool_verbs(verbs)
+    from pretrain.cli_experiments import add_verbs
+
+    add_verbs(verbs, _verb)
     return top
 
 
@@ -187,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     """The verb's handler, its expected failures turned into one line and an exit code."""
+    from pretrain.cli_experiments import HANDLERS
+
     handlers = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "info": _info,
-                "export": _export, "import": _import, "plan": _plan}
+                "export": _export, "import": _import, "plan": _plan, **HANDLERS}
     try:
         return handlers[args.verb](args)
     except StopRequested as e:  # Ctrl-C: 130 as for any interrupted program; a scheduler's signal: requeue
@@ -210,7 +216,8 @@ def _run(args) -> int:
         return 2
 
 
-_CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "BadStepsError", "IndexedFormatError", "ConfigError"}
+_CLEAN_ERRORS = {"CheckpointError", "CorruptCheckpoint", "NonFiniteLossError", "BadStepsError", "IndexedFormatError", "ConfigError",
+                 "ProfileError"}
 
 
 def _info(args) -> int:
@@ -491,13 +498,10 @@ def _import(args) -> int:
 def _plot(args) -> int:
     import os
 
+    from pretrain.experiments.compare import check_output
     from pretrain.metrics import read_metrics
 
-    if os.path.splitext(args.output)[1].lower() not in (".png", ".pdf", ".svg"):
-        raise ValueError(f"--output {args.output}: give a .png, .pdf or .svg file name")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        raise ValueError(f"--output {args.output}: the folder {os.path.dirname(os.path.abspath(args.output))} does "
-                         "not exist")
+    check_output(args.output)
     runs = {}
     for run in args.runs:  # every run read before anything is drawn
         path = run if run.endswith(".jsonl") else os.path.join(run, "metrics.jsonl")

@@ -154,7 +154,7 @@ def start(config: str, overrides: list[str], max_restarts: int, env=os.environ) 
     step = latest_step(run_dir)
     restart = int(env.get("SLURM_RESTART_COUNT") or 0)
     record = {"event": "start", "job": job, "restart": restart, "start_step": step, "time": time.time(),
-              "nodes": env.get("SLURM_JOB_NODELIST", ""), "git": git_revision()}
+              "nodes": env.get("SLURM_JOB_NODELIST", ""), "git": git_revision(), "max_restarts": max_restarts}
     with open(os.path.join(run_dir, "slurm", f"job-{job}-{restart}.json"), "w") as f:
         json.dump({**record, "config": config, "overrides": overrides, "resolved_config": to_yaml(cfg)}, f, indent=1)
     append_history(run_dir, record)

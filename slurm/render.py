@@ -78,3 +78,12 @@ def render_preprocess(profile: ClusterProfile, out_prefix: str, inputs_file: str
     variables = {"PYTHON": profile.python, "STAGE": "merge" if merge else "tokenize", "TASKS": tasks,
                  "OUT_PREFIX": out_prefix, "INPUTS_FILE": inputs_file, "JSON_KEYS": " ".join(json_keys)}
     return render("preprocess.sbatch", header, profile_block(profile, variables, ["--", *args] if args else []))
+
+
+def render_command(profile: ClusterProfile, job_name: str, output: str, command: str) -> str:
+    """A one-node, one-task job that runs `command` after the profile's setup lines and environment (an
+    evaluation step after a sweep's array, say); not requeued."""
+    header = sbatch_lines(profile, job_name, output, nodes=1, requeue=False)
+    lines = ["#!/bin/bash", *header, "set -euo pipefail", *profile.setup,
+             *(f"export {k}={shlex.quote(str(v))}" for k, v in profile.env.items()), command]
+    return "\n".join(lines) + "\n"

@@ -58,25 +58,36 @@ def _train(args, profile) -> int:
 
 
 def _sweep(args, profile) -> int:
-    from pretrain.config import load_config
-
     spec = load_sweep(args.sweep_file)
     points = expand(spec)
+    submit_sweep(spec, points, profile, args.job_name or spec["name"], args.dry_run)
+    return 0
+
+
+def submit_sweep(spec: dict, points: list[dict], profile, job_name: str, dry_run: bool = False) -> str:
+    """Render and submit `points` (slurm.sweep.expand) as one array, each task from its point's config;
+    the array's job id ("" for a dry run, which prints the script instead)."""
+    from pretrain.config import load_config
+
     for p in points:  # every point's config must load before anything is queued
-        load_config(spec["config"], p["overrides"], check_data=False)
+        try:
+            load_config(p["config"], p["overrides"], check_data=False)
+        except ValueError as e:
+            raise SweepError(f"point {p['name']}: {e}") from None
     root = os.path.dirname(points[0]["run_dir"])
     points_file = os.path.join(root, "points.json")
-    text = render_train(profile, spec["config"], [], root, args.job_name or spec["name"], array=f"0-{len(points) - 1}",
+    text = render_train(profile, points[0]["config"], [], root, job_name, array=f"0-{len(points) - 1}",
                         points=points_file)
-    if args.dry_run:
-        print("\n".join(f"# point {i}: {p['name']}: {' '.join(p['overrides'])}" for i, p in enumerate(points)))
+    if dry_run:
+        print("\n".join(f"# point {i}: {p['name']}: {p['config']} {' '.join(p['overrides'])}"
+                        for i, p in enumerate(points)))
         print(text, end="")
-        return 0
+        return ""
     write_points(spec, points)
     os.makedirs(os.path.join(root, "slurm"), exist_ok=True)  # Slurm fails a job whose output folder is missing
     job = _sbatch(_write(os.path.join(root, "sweep.sbatch"), text))
     print(f"submitted array job {job}: {len(points)} points under {root}; status: python -m slurm.sweep status {root}")
-    return 0
+    return job
 
 
 def _preprocess(args, profile) -> int:
