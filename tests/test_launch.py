@@ -2,6 +2,7 @@
 script outside Slurm, a missing profile field, a port in use, an unwritable run directory, a
 requeue loop) ending in one clear line."""
 import json
+import re
 import os
 import socket
 import subprocess
@@ -158,3 +159,51 @@ def test_sweep_points_are_named_and_carry_their_run_dirs(tmp_path):
     bad.write_text(json.dumps({"name": "s", "config": "baseline/tiny", "grid": {"optim.lr": []}}))
     res = _py("slurm.sweep", "expand", str(bad))
     assert res.returncode == 2 and "non-empty list" in res.stderr
+
+
+def test_sweep_points_may_carry_their_own_configs(tmp_path):
+    """A table that spans configs: config as a grid axis, and listed points; each array task starts from its
+    point's config (slurm.sweep argv), and a points.json written before points had configs still works."""
+    from slurm.sweep import point_argv, write_points
+
+    spec = {"name": "t", "root": str(tmp_path), "overrides": ["train.max_steps=5", "schedule.warmup_steps=1"],
+            "grid": {"config": ["baseline/tiny", "rt/tiny"], "train.seed": [1]},
+            "points": [{"name": "sps-xs", "config": "sps/tiny", "overrides": ["model.variant=delayed_state"]}]}
+    points = expand(spec)
+    assert [(p["name"], p["config"]) for p in points] == [
+        ("p00-configbaselinetiny-seed1", "baseline/tiny"), ("p01-configrttiny-seed1", "rt/tiny"), ("sps-xs", "sps/tiny")]
+    assert points[1]["overrides"][1:3] == ["schedule.warmup_steps=1", "train.seed=1"]
+    assert points[2]["overrides"][1:3] == ["schedule.warmup_steps=1", "model.variant=delayed_state"]
+    path = write_points(spec, points)
+    assert point_argv(path, "2")[:4] == ["sps/tiny", "train.max_steps=5", "schedule.warmup_steps=1",
+                                         "model.variant=delayed_state"]
+    res = _py("slurm.sweep", "argv", path, "1")
+    assert res.returncode == 0 and res.stdout.splitlines()[0] == "rt/tiny"
+    old = json.loads(open(path).read())
+    for p in old["points"]:
+        del p["config"]
+    old["config"] = "baseline/tiny"
+    with open(path, "w") as f:
+        json.dump(old, f)
+    assert point_argv(path, "2")[0] == "baseline/tiny"
+    res = _py("slurm.submit", "sweep", _sweep_file(tmp_path, spec), "--profile", _write_profile(tmp_path, PROFILE),
+              "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "# point 2: sps-xs: sps/tiny train.max_steps=5 schedule.warmup_steps=1" in res.stdout and "SWEEP_POINTS=" in res.stdout
+    for bad, message in (({"name": "u", "grid": {"optim.lr": [1]}}, "missing field 'config'"),
+                         ({"name": "u", "points": [{"name": "a"}]}, "names no config"),
+                         ({"name": "u", "config": "baseline/tiny", "points": [{"name": "a"}, {"name": "a"}]},
+                          "appears twice"),
+                         ({"name": "u", "config": "baseline/tiny", "points": [{"name": "a", "confg": "x"}]},
+                          "unknown field 'confg'"),
+                         ({"name": "u", "config": "baseline/tiny", "points": [{"name": "a", "overrides": ["model.nope=1"]}]},
+                          "point a: .*nope")):
+        res = _py("slurm.submit", "sweep", _sweep_file(tmp_path, bad), "--profile", _write_profile(tmp_path, PROFILE),
+                  "--dry-run")
+        assert res.returncode == 2 and re.search(message, res.stderr) and res.stderr.count("\n") == 1, res.stderr
+
+
+def _sweep_file(tmp_path, spec):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps(spec))
+    return str(path)

@@ -176,7 +176,7 @@ def plan_lines(recipe: dict, gpus: int, gpu: str, extra=()) -> list[str]:
         total_tokens += tokens
         layout = f"tp{best.tp} pp{best.pp} dp{best.dp} {best.engine}"
         lines.append(f"{run['name']:<28} {run['config']:<34} {tokens / 1e9:>8.2f}B {layout:>24} "
-                     f"{best.tokens_per_s_per_gpu:>10,.0f} {hours:>7.1f} {hours * gpus:>8,.0f}")
+                     f"{best.tokens_per_s_per_gpu:>10,.0f} {hours:>7.2f} {hours * gpus:>8,.1f}")
     lines.append(f"total: {total_tokens / 1e9:,.2f}B tokens, {total_h:,.1f} hours on {gpus} GPUs, "
                  f"{total_h * gpus:,.0f} GPU-hours")
     return lines
