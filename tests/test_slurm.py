@@ -119,12 +119,21 @@ def test_warning_signal_checkpoints_requeues_and_resumes_identically(cluster, co
 
 
 def test_sweep_runs_as_a_four_task_array_and_reports(cluster, corpus, tmp_path):
+    """Two grid points and two listed ones, one of them from a config of its own (each array task starts
+    from its point's config)."""
+    own = os.path.join(str(tmp_path), "slow-lr.yaml")
+    with open(os.path.join(ROOT, "configs", "baseline", "tiny.yaml")) as f:
+        text = f.read()
+    with open(own, "w") as f:
+        f.write(text.replace("lr: 2.0e-3", "lr: 5.0e-4"))
     sweep = os.path.join(str(tmp_path), "sweep.yaml")
     with open(sweep, "w") as f:
         json.dump({"name": "lr-width", "config": "baseline/tiny", "root": os.path.join(str(tmp_path), "sweeps"),
                    "overrides": _train_overrides(tmp_path, corpus, "unused", steps=8)[:-1]
                    + ["train.eval_every=0", "train.eval_batches=2"],
-                   "grid": {"optim.lr": [0.001, 0.003], "model.d_model": [32, 64]}}, f)
+                   "grid": {"optim.lr": [0.001, 0.003], "model.d_model": [32]},
+                   "points": [{"name": "d64", "overrides": ["model.d_model=64"]},
+                              {"name": "slow-lr", "config": own, "overrides": ["model.d_model=64"]}]}, f)
     job, _ = _submit(cluster, "sweep", sweep, "--profile", _profile(str(tmp_path), "srun", nodes=1))
     sweep_dir = os.path.join(str(tmp_path), "sweeps", "lr-width")
     deadline = time.time() + 400
@@ -138,8 +147,12 @@ def test_sweep_runs_as_a_four_task_array_and_reports(cluster, corpus, tmp_path):
                             env=dict(os.environ, PYTHONPATH=ROOT))
     rows = status.stdout.splitlines()[1:]
     assert len(rows) == 4 and all(" done " in r and r.split()[-1] != "-" for r in rows), status.stdout
-    assert {r.split()[0] for r in rows} == {"p00-lr0.001-d_model32", "p01-lr0.001-d_model64", "p02-lr0.003-d_model32",
-                                            "p03-lr0.003-d_model64"}
+    assert {r.split()[0] for r in rows} == {"p00-lr0.001-d_model32", "p01-lr0.003-d_model32", "d64", "slow-lr"}
+    import yaml
+
+    lrs = {name: yaml.safe_load(open(os.path.join(sweep_dir, name, "config.yaml")))["optim"]["lr"]
+           for name in ("d64", "slow-lr")}
+    assert lrs == {"d64": 2e-3, "slow-lr": 5e-4}  # the sweep's config, then the point's own
 
 
 def test_preprocess_array_then_merge(cluster, tmp_path):
