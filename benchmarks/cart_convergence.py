@@ -31,7 +31,10 @@ The paper saw a collapse at ~1,750 steps on real data; spec §8.1 found none at 
 Before training, a direct check at init (spec §6.4): changing the tokens after position t changes
 logits at <= t only in the non-causal model.
 
-Runs take about 10-15 minutes on 2 busy cores at the defaults (the two trainings most of it).
+Runs take about 10-15 minutes on 2 busy cores at the defaults (the two trainings most of it). The compare
+and sweep sections as a recipe, run and reported through the run database:
+configs/cart/papers/cpu-cart-vs-dense.yaml (`pretrain repro ... --local`, then `--report`); this script adds
+the parameter-matched Dense depth and the leak experiment.
 """
 from __future__ import annotations
 

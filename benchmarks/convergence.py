@@ -4,7 +4,9 @@
 steps, seeds, data order, schedule length and evaluation batches, then prints the validation loss of
 each at each evaluation (and the difference to the first run), and the same evaluations against the
 training FLOPs spent (the registry's flops_per_token x tokens seen) with each run's wall time. Used by
-sps_convergence.py and rt_convergence.py; `add_arguments` gives them the same options.
+cart_convergence.py and gpn_convergence.py; `add_arguments` gives them the same options. The grids without
+anything else to compute are recipes now (configs/<arch>/papers/cpu-*.yaml, `pretrain repro RECIPE --local`,
+then `--report` and `pretrain compare ROOT --by ... --x flops` for the per-FLOP view).
 """
 from __future__ import annotations
 

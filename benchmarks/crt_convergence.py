@@ -8,7 +8,8 @@ C=64 with K ~ U{2..5}, the same with K fixed at 5 (no k_min), and a roformer N=1
 real trainer (T=64, batch 32, lr 1e-3). Then evaluates each CRT on the same held-out windows at
 K = 1, 2, 3, 5, 10 and exactly (streaming, eval_k=-1), with the contraction estimate L̂ at K=5.
 The spec expects PPL(K=1) >> PPL(K=3) >= PPL(K=5) ~ PPL(K=10) ~ Seq, L̂ < 1 with k_min and larger
-without.
+without. The same three runs and K evaluations as a recipe on the quickstart corpus instead of bytes, run
+and reported through the run database: configs/crt/papers/cpu-k-sweep.yaml (`pretrain repro ... --local`).
 """
 from __future__ import annotations
 

@@ -15,7 +15,9 @@ same steps, seed, data order, optimizer and schedule (gpn/tiny's) (benchmarks/co
 against the step and against training FLOPs. The paper (130M, 2.6B tokens) has 1-layer GPN+M at
 18.06 perplexity against the Transformer++'s 16.05 (+13%).
 
-Takes about 10-20 minutes on 2 busy cores at the defaults.
+Takes about 10-20 minutes on 2 busy cores at the defaults. The same two grids as a recipe, run and reported
+through the run database: configs/gpn/papers/cpu-recall-and-corpus.yaml (`pretrain repro ... --local`, then
+`--report`); this script adds the query-accuracy table and picks the Transformer's depth by parameter count.
 """
 from __future__ import annotations
 
