@@ -229,7 +229,7 @@ def test_indexing_writes_nothing_inside_run_directories(tmp_path):
     assert sorted(os.listdir(runs)) == ["a", "b"]  # the database went where --db said
 
 
-def test_pending_points_of_a_sweep(tmp_path):
+def test_pending_points_of_a_sweep(tmp_path, monkeypatch):
     from slurm.sweep import expand, write_points
 
     spec = {"name": "s", "config": "baseline/tiny", "root": str(tmp_path), "grid": {"optim.lr": [1e-3, 3e-3]},
@@ -245,6 +245,14 @@ def test_pending_points_of_a_sweep(tmp_path):
     wide = runs["s/wide"]
     assert wide["status"] == "pending" and wide["model.d_model"] == 512 and wide["sweep"] == "s"
     assert wide["params_total"] > runs["s/" + points[0]["name"]]["params_total"]
+    import pretrain.config
+
+    def no_loading(*_, **__):
+        raise AssertionError("an unchanged points.json's pending points are not loaded again")
+
+    monkeypatch.setattr(pretrain.config, "load_config", no_loading)
+    again = index_root(str(tmp_path), log=quiet)
+    assert (again.runs, again.pending, again.read) == (3, 2, 0) and by_path(again.db)["s/wide"]["model.d_model"] == 512
 
 
 def test_cli_runs_prints_table_csv_and_json(tmp_path, capsys):

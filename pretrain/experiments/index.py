@@ -279,9 +279,12 @@ def status_of(row: dict, run_dir: str, now: float) -> str:
     return row.get("history_state") or "incomplete"
 
 
-def pending_points(points_file: str, cache: dict, log) -> list[tuple[str, dict]]:
-    """(run_dir, row) of a sweep's points whose run directory has no config.yaml yet."""
+def pending_points(points_file: str, cache: dict, log, known: dict | None = None) -> list[tuple[str, dict]]:
+    """(run_dir, row) of a sweep's points whose run directory has no config.yaml yet. `known`: rows of an
+    earlier index by run_dir, reused (without loading the config again) when points.json is unchanged."""
     from pretrain.config import load_config
+
+    key, known = {"points.json": _key(points_file)}, known or {}
 
     try:
         with open(points_file) as f:
@@ -295,6 +298,9 @@ def pending_points(points_file: str, cache: dict, log) -> list[tuple[str, dict]]
         run_dir = p.get("run_dir", "")
         if not run_dir or os.path.isfile(os.path.join(run_dir, "config.yaml")):
             continue
+        if (known.get(os.path.abspath(run_dir)) or {}).get("files") == key:
+            out.append((run_dir, known[os.path.abspath(run_dir)]))
+            continue
         try:
             cfg = load_config(p.get("config") or sweep["config"], p["overrides"], check_data=False, log=lambda *_: None)
         except (ValueError, KeyError) as e:
@@ -304,7 +310,7 @@ def pending_points(points_file: str, cache: dict, log) -> list[tuple[str, dict]]
         figures = model_figures(config, cache)
         out.append((run_dir, {"name": p.get("name", ""), "arch": cfg.model.arch, "max_steps": cfg.train.max_steps,
                               "config": flatten(config), **figures, **summarize_metrics([]), "flops": 0,
-                              "status": "pending", "evals": {}, **_NO_SLURM}))
+                              "status": "pending", "evals": {}, "files": key, **_NO_SLURM}))
     return out
 
 
@@ -383,9 +389,10 @@ def index_root(root: str, db: str = "", log=print, now: float | None = None) -> 
     now = time.time() if now is None else now
     sweep_of = {}
     pending = []
+    known = {os.path.join(root, rel): row for rel, row in old.items() if row["status"] == "pending"}
     for points_file in sweeps:
         name = _sweep_name(points_file)
-        for run_dir, row in pending_points(points_file, cache, log):
+        for run_dir, row in pending_points(points_file, cache, log, known):
             pending.append((run_dir, {**row, "sweep": name}))
         for run_dir in _point_dirs(points_file):
             sweep_of[os.path.abspath(run_dir)] = name
@@ -411,7 +418,7 @@ def index_root(root: str, db: str = "", log=print, now: float | None = None) -> 
     for run_dir, row in pending:
         rel = os.path.relpath(run_dir, root)
         if rel not in rows:
-            rows[rel] = {**row, "path": rel, "files": {}}
+            rows[rel] = {**row, "path": rel}
             summary.pending += 1
     _write(db, rows, cache, root)
     summary.runs = len(rows)
