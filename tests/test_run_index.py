@@ -123,6 +123,9 @@ def test_torn_and_half_written_runs(tmp_path):
     live = make_run(tmp_path, "torn-tail", logged=7)
     with open(os.path.join(live, "metrics.jsonl"), "a") as f:
         f.write('{"step": 8, "loss": 1.2')  # a write under way: skipped, not the run
+    braced = make_run(tmp_path, "torn-tail-braced", logged=7)
+    with open(os.path.join(braced, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 8, "time_split": {"data": 0.1}')  # torn just after an inner brace
     mid = make_run(tmp_path, "torn-middle", logged=7)
     with open(os.path.join(mid, "metrics.jsonl")) as f:
         lines = f.readlines()
@@ -138,7 +141,8 @@ def test_torn_and_half_written_runs(tmp_path):
     lines_seen = []
     s = index_root(str(tmp_path), log=lines_seen.append)
     runs = by_path(s.db)
-    assert set(runs) == {"ok", "torn-tail"} and runs["torn-tail"]["steps"] == 7
+    assert set(runs) == {"ok", "torn-tail", "torn-tail-braced"}
+    assert runs["torn-tail"]["steps"] == runs["torn-tail-braced"]["steps"] == 7
     assert len(s.skipped) == 3 and lines_seen == s.skipped and all(len(x.splitlines()) == 1 for x in s.skipped)
     assert any("torn-middle" in x and "line 3" in x for x in s.skipped)
     assert any("half-config" in x and "not valid YAML" in x for x in s.skipped)

@@ -213,7 +213,7 @@ def _complete(run_dir: str) -> bool:
 
     try:
         config = read_config(os.path.join(run_dir, "config.yaml"))
-        records = read_metrics_tolerant(os.path.join(run_dir, "metrics.jsonl"))
+        records = read_metrics_tolerant(os.path.join(run_dir, "metrics.jsonl"), last_only=True)
     except (ValueError, OSError):
         return False
     return bool(records) and records[-1]["step"] >= int(config["train"]["max_steps"])
