@@ -40,7 +40,7 @@ def recipe_path(source: str) -> str:
     shipped = resources.files("configs").joinpath(name)
     if shipped.is_file():
         return str(shipped)
-    known = ", ".join(shipped_recipes()[:6])
+    known = ", ".join(shipped_recipes()[:3])
     raise RecipeError(f"recipe {source!r} is neither a file nor a shipped recipe (e.g. {known}; "
                       "`pretrain repro --list` lists them)")
 
