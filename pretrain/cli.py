@@ -498,7 +498,7 @@ def _import(args) -> int:
 def _plot(args) -> int:
     import os
 
-    from pretrain.experiments.compare import check_output
+    from pretrain.experiments.compare import check_output, pyplot
     from pretrain.metrics import read_metrics
 
     check_output(args.output)
@@ -510,13 +510,7 @@ def _plot(args) -> int:
         runs[run] = read_metrics(run)
         if not any("loss" in r for r in runs[run]):
             raise ValueError(f"{run} has no training step logged yet")
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("pretrain plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("pretrain plot")
     fig, ax = plt.subplots(figsize=(8, 5))
     for run, records in runs.items():
         label = os.path.basename(os.path.normpath(run))

@@ -31,14 +31,21 @@ def config_path(source: str) -> str:
         return os.path.join(source, RUN_CONFIG)
     if os.path.isfile(source):
         return source
-    name = source if source.endswith((".yaml", ".yml")) else source + ".yaml"
-    shipped = resources.files("configs").joinpath(name)
-    if shipped.is_file():
-        return str(shipped)
+    shipped = shipped_file(source)
+    if shipped:
+        return shipped
     if os.path.isdir(source):
         raise ConfigError(f"{source} is a directory without a {RUN_CONFIG}: not a run directory")
     raise ConfigError(f"config {source!r} is neither a file, a run directory nor a shipped config; "
                       f"{_closest(source)} (`pretrain info --list` lists the shipped configs)")
+
+
+def shipped_file(name: str) -> str:
+    """The path of a YAML file shipped in the configs package by its short name ("baseline/tiny",
+    "rt/papers/table1-300m"; .yaml optional), or "" when there is none."""
+    name = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    shipped = resources.files("configs").joinpath(name)
+    return str(shipped) if shipped.is_file() else ""
 
 
 def _closest(source: str) -> str:

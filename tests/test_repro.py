@@ -2,7 +2,6 @@
 recipe loads, bad recipes are refused in one sentence, the plan and the Slurm submission render, and a
 CPU-scale recipe runs end to end at a tiny scale: run here, index, report."""
 import json
-import os
 
 import pytest
 

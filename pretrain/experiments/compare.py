@@ -64,14 +64,20 @@ def table(rows: list[dict], by: list[str], metric: str, x: str) -> str:
                                for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in [head, *body])
 
 
-def plot(grouped: dict, by: list[str], metric: str, x: str, output: str) -> None:
+def pyplot(what: str):
+    """matplotlib.pyplot on the file-only Agg backend, or one sentence saying that `what` needs matplotlib."""
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("pretrain compare's plot needs matplotlib: pip install matplotlib") from None
+        raise ValueError(f"{what} needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(grouped: dict, by: list[str], metric: str, x: str, output: str) -> None:
+    plt = pyplot("pretrain compare's plot")
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, runs in grouped.items():
         label = ", ".join(f"{f.split('.')[-1]}={v}" for f, v in zip(by, key))

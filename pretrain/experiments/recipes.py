@@ -32,14 +32,12 @@ class RecipeError(ValueError):
 
 def recipe_path(source: str) -> str:
     """A YAML file, or a shipped recipe's short name (sps/papers/table2-scales)."""
-    from importlib import resources
+    from pretrain.config import shipped_file
 
     if os.path.isfile(source):
         return source
-    name = source if source.endswith((".yaml", ".yml")) else source + ".yaml"
-    shipped = resources.files("configs").joinpath(name)
-    if shipped.is_file():
-        return str(shipped)
+    if shipped_file(source):
+        return shipped_file(source)
     known = ", ".join(shipped_recipes()[:3])
     raise RecipeError(f"recipe {source!r} is neither a file nor a shipped recipe (e.g. {known}; "
                       "`pretrain repro --list` lists them)")

@@ -52,7 +52,7 @@ def markdown(recipe: dict, rows: list[dict]) -> str:
     metric = recipe["metric"]
     lines = [f"## {recipe['paper']}: {recipe['table']}", "",
              f"Metric: `{metric}`; the paper's figures from {recipe.get('source') or 'the paper'}.", "",
-             f"| row | paper | ours | ours - paper | state |", "|---|---:|---:|---:|---|"]
+             "| row | paper | ours | ours - paper | state |", "|---|---:|---:|---:|---|"]
     lines += [f"| {r['label']} | {f(r['paper'])} | {f(r['ours'])} | {f(r['diff'], '+')} | {r['state']} |" for r in rows]
     missing = [r["label"] for r in rows if r["state"] == "missing"]
     open_ = [r["label"] for r in rows if r["state"] not in ("missing", "complete")]
@@ -65,13 +65,9 @@ def markdown(recipe: dict, rows: list[dict]) -> str:
 
 
 def plot(recipe: dict, rows: list[dict], output: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("the report's plot needs matplotlib: pip install matplotlib") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pretrain.experiments.compare import pyplot
 
+    plt = pyplot("the report's plot")
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows) + 2), 4.5))
     for key, marker, name in (("paper", "s", "paper"), ("ours", "o", "ours")):
