@@ -79,6 +79,12 @@ def test_submit_renders_one_array_from_per_point_configs_and_an_evaluation_job(t
     eval_job = out.split("evaluation step\n", 1)[1]
     assert "repro" in eval_job and "--eval --root" in eval_job and "train.max_steps=7" in eval_job
     assert "module load cuda" in eval_job and not root.exists()  # a dry run writes nothing
+    import subprocess
+
+    for script in (out.split("# --- then", 1)[0].split("#!/bin/bash", 1)[1], eval_job):
+        check = subprocess.run(["bash", "-n"], input="#!/bin/bash" + script.split("#!/bin/bash", 1)[-1],
+                               capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
     assert main(["repro", _recipe(tmp_path), "--submit"]) == 2 and "needs --profile" in capsys.readouterr().err
 
 
