@@ -174,6 +174,8 @@ def test_bad_roots_and_database_files(tmp_path):
         index_root(root, log=quiet)
     assert open(db, "rb").read() == before
     os.remove(db)
+    with pytest.raises(RunDBError, match="cannot write the run database .*--db PATH"):
+        index_root(root, db=os.path.join(run, "config.yaml", "runs.sqlite"), log=quiet)  # a folder that cannot exist
     con = sqlite3.connect(db)  # an older layout (schema 0: a table of another shape) is rebuilt
     con.execute("CREATE TABLE runs (path TEXT, loss REAL)")
     con.execute("INSERT INTO runs VALUES ('x', 1.0)")

@@ -475,9 +475,9 @@ def _write(db: str, rows: dict, cache: dict, root: str) -> None:
     """The whole database into a temporary file beside db, then renamed over it (see the docstring)."""
     import secrets
 
-    os.makedirs(os.path.dirname(db), exist_ok=True)
     tmp = f"{db}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
+        os.makedirs(os.path.dirname(db), exist_ok=True)
         con = sqlite3.connect(tmp)
         con.execute("PRAGMA journal_mode=DELETE")
         con.executescript(_SQL)
@@ -491,6 +491,8 @@ def _write(db: str, rows: dict, cache: dict, root: str) -> None:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, db)
+    except (OSError, sqlite3.Error) as e:  # a read-only ROOT, a full disk: the old database is left as it was
+        raise RunDBError(f"cannot write the run database {db} ({e}); index into a writable place with --db PATH") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
