@@ -311,8 +311,6 @@ def status_of(row: dict, run_dir: str, now: float) -> str:
 def pending_points(points_file: str, cache: dict, log, known: dict | None = None) -> list[tuple[str, dict]]:
     """(run_dir, row) of a sweep's points whose run directory has no config.yaml yet. `known`: rows of an
     earlier index by run_dir, reused (without loading the config again) when points.json is unchanged."""
-    from pretrain.config import load_config
-
     key, known = {"points.json": _key(points_file)}, known or {}
 
     try:
@@ -330,6 +328,8 @@ def pending_points(points_file: str, cache: dict, log, known: dict | None = None
         if (known.get(os.path.abspath(run_dir)) or {}).get("files") == key:
             out.append((run_dir, known[os.path.abspath(run_dir)]))
             continue
+        from pretrain.config import load_config  # torch comes with it: only when a point must be read
+
         try:
             cfg = load_config(p.get("config") or sweep["config"], p["overrides"], check_data=False, log=lambda *_: None)
         except (ValueError, KeyError) as e:
