@@ -76,7 +76,10 @@ def plot(recipe: dict, rows: list[dict], output: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker, label=name, markersize=7, alpha=0.8)
     ax.set_xticks(list(xs), [r["label"] for r in rows], rotation=45, ha="right", fontsize=8)
     ax.set_ylabel(recipe["metric"])
-    ax.set_title(f"{recipe['table']}"[:90], fontsize=9)
+    import textwrap
+
+    ax.set_xlim(-0.5, len(rows) - 0.5)
+    ax.set_title(textwrap.fill(recipe["table"], 90), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(output, dpi=120, bbox_inches="tight")
