@@ -40,15 +40,15 @@ configs/<arch>/papers/; `--list` names them). One of:
   --local     train the runs here one after another (a complete run is skipped, a started one resumes),
               then the evaluation step
   --submit    one Slurm job array through the sweep machinery (resumable, requeue-safe; each point from its
-              own config) and, for evaluation rows, an evaluation job after it (--profile P.yaml)
+              own config) and, for evaluation rows, an evaluation job after it ends (--profile P.yaml)
   --eval      the evaluation step alone (what --local runs last and --submit queues after the array)
   --report ROOT   the paper's table beside ours, from the run database of ROOT: markdown, and a plot
 Overrides after RECIPE apply to every run (e.g. train.max_steps=20 for a quick check).
 
 examples:
   pretrain repro --list
-  pretrain repro rt/papers/table2-layers --plan --gpus 64 --gpu h100
-  pretrain repro rt/papers/table2-layers --submit --profile slurm/profiles/example.yaml --root runs/repro
+  pretrain repro rt/papers/table1-300m --plan --gpus 64 --gpu h100
+  pretrain repro rt/papers/table1-300m --submit --profile slurm/profiles/example.yaml --root runs/repro
   pretrain repro sps/papers/cpu-standard-vs-sps --local --root runs/repro
   pretrain repro sps/papers/cpu-standard-vs-sps --report runs/repro --output sps.png
 """
@@ -168,7 +168,7 @@ def repro(args) -> int:
             raise ValueError("--submit needs --profile P.yaml (the cluster profile; see slurm/profiles/example.yaml)")
         recipes.submit(recipe, args.root, args.profile, args.overrides, args.dry_run)
     elif args.eval:
-        return 1 if recipes.evaluate_runs(recipe, args.root) else 0
+        return 1 if recipes.evaluate_runs(recipe, args.root, extra=args.overrides) else 0
     else:
         return _report(recipe, args)
     return 0
@@ -181,7 +181,10 @@ def _report(recipe: dict, args) -> int:
     output = args.output or os.path.join(args.report, recipe["name"], "report.png")
     if args.output:
         check_output(output)
-    rows = report.report_rows(recipe, _indexed(args.report, args.db), args.report)
+    from pretrain.experiments.recipes import max_steps_of, sweep_of
+
+    expected = {p["name"]: max_steps_of(p) for p in sweep_of(recipe, args.report, args.overrides)[1]}
+    rows = report.report_rows(recipe, _indexed(args.report, args.db), args.report, expected)
     print(report.markdown(recipe, rows))
     if not args.output:
         os.makedirs(os.path.dirname(output), exist_ok=True)

@@ -131,7 +131,13 @@ def _point(points_file: str, task: str) -> tuple[dict, dict]:
 
 
 def point_overrides(points_file: str, task: str) -> list[str]:
-    return _point(points_file, task)[1]["overrides"]
+    """The overrides of one task, for scripts rendered before points had configs: a point with a config
+    other than the sweep's is refused (those scripts would train it from the sweep's)."""
+    sweep, point = _point(points_file, task)
+    if point.get("config", sweep["config"]) != sweep["config"]:
+        raise SweepError(f"point {point['name']} of {points_file} has its own config ({point['config']}); this "
+                         "script predates per-point configs: submit the sweep again to render a new one")
+    return point["overrides"]
 
 
 def point_argv(points_file: str, task: str) -> list[str]:

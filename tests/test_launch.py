@@ -177,6 +177,8 @@ def test_sweep_points_may_carry_their_own_configs(tmp_path):
     path = write_points(spec, points)
     assert point_argv(path, "2")[:4] == ["sps/tiny", "train.max_steps=5", "schedule.warmup_steps=1",
                                          "model.variant=delayed_state"]
+    res = _py("slurm.sweep", "point", path, "2")  # a script rendered before points had configs: refused, not wrong
+    assert res.returncode == 2 and "has its own config (sps/tiny)" in res.stderr
     res = _py("slurm.sweep", "argv", path, "1")
     assert res.returncode == 0 and res.stdout.splitlines()[0] == "rt/tiny"
     old = json.loads(open(path).read())

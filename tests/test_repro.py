@@ -46,6 +46,8 @@ def _recipe(tmp_path, **changes):
     ({"rows": [{"run": "a", "eval": "k"}]}, r"eval must be FIELD=VALUE"),
     ({"tabel": "x"}, r"unknown field 'tabel'"),
     ({"name": "a/b"}, r"name 'a/b' may hold only"),
+    ({"overrides": "train.seed=1"}, r"overrides must be a list"),
+    ({"metric": "vall_loss"}, r"metric must be a validation figure"),
 ])
 def test_a_bad_recipe_is_refused_in_one_sentence(tmp_path, capsys, changes, message):
     import re
@@ -105,7 +107,7 @@ def test_a_cpu_recipe_runs_here_then_indexes_and_reports(tmp_path, capsys):
     assert [r["model.eval_k"] for r in evals["rows"]] == ["1", "2", "3", "5", "10", "-1"]
 
     png = tmp_path / "report.png"
-    assert main(["repro", "crt/papers/cpu-k-sweep", "--report", str(root), "--output", str(png)]) == 0
+    assert main(["repro", "crt/papers/cpu-k-sweep", "--report", str(root), "--output", str(png), *tiny]) == 0
     report = capsys.readouterr().out
     table = [line for line in report.splitlines() if line.startswith("| CRT") or line.startswith("| roformer")]
     assert len(table) == 13 and all(line.rstrip().endswith("| complete |") for line in table), report
@@ -128,6 +130,10 @@ def test_report_names_missing_and_unfinished_rows(tmp_path, capsys):
     make_run(root, "t/a")  # complete; its last val_loss is 4.6
     make_run(root, "t/b", logged=5)  # incomplete
     assert main(["repro", recipe, "--report", str(root), "--output", str(tmp_path / "r.svg")]) == 0
+    out = capsys.readouterr().out  # the runs were trained to 10 steps, the recipe's config asks more
+    assert "| a | 4.0000 | 4.6000 | +0.6000 | complete (train.max_steps 10, the recipe's 250) |" in out, out
+    assert main(["repro", recipe, "--report", str(root), "--output", str(tmp_path / "r.svg"), "train.max_steps=10",
+                 "schedule.warmup_steps=1"]) == 0
     out = capsys.readouterr().out
     assert "| a | 4.0000 | 4.6000 | +0.6000 | complete |" in out
     assert "| b | 3.0000 | 5.1000 | +2.1000 | incomplete |" in out and "| c | 3.0000 |  |  | missing |" in out

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pretrain.cli import main
-from pretrain.experiments.index import SCHEMA, RunDBError, index_root, load_runs
+from pretrain.experiments.index import APPLICATION_ID, SCHEMA, RunDBError, index_root, load_runs
 from pretrain.experiments.query import select
 
 
@@ -149,6 +149,49 @@ def test_torn_and_half_written_runs(tmp_path):
     assert any("no-arch" in x and "model.arch" in x for x in s.skipped)
 
 
+def test_values_of_unexpected_types_skip_the_run_not_the_index(tmp_path):
+    """Whatever a run's files hold, the index goes on: one line per run it leaves out, every time."""
+    make_run(tmp_path, "ok")
+    bad_val = make_run(tmp_path, "val-null")
+    with open(os.path.join(bad_val, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 11, "loss": 1.0, "val_loss": None}) + "\n")
+    hist = make_run(tmp_path, "history-list")
+    history(hist, ["not", "a", "record"], {"event": "end"})
+    steps = make_run(tmp_path, "steps-text")
+    text = open(os.path.join(steps, "config.yaml")).read().replace("max_steps: 10", "max_steps: ten")
+    with open(os.path.join(steps, "config.yaml"), "w") as f:
+        f.write(text)
+    nan = make_run(tmp_path, "nan-eval")
+    with open(os.path.join(nan, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 11, "loss": 1.0, "val_loss": NaN}\n')
+    for _ in range(2):  # the second index has the model figures cached: the same checks still apply
+        s = index_root(str(tmp_path), log=quiet)
+        assert sorted(x.split(": ")[0].rsplit("/", 1)[1] for x in s.skipped) == ["history-list", "steps-text", "val-null"]
+    runs = by_path(s.db)
+    assert runs["nan-eval"]["val_loss_best"] == pytest.approx(4.6)  # the best finite one
+    assert runs["nan-eval"]["val_loss_last"] is None  # SQLite keeps NaN as NULL
+
+
+def test_odd_root_names_and_query_values(tmp_path, capsys):
+    root = tmp_path / "odd #1 ?x %20"
+    make_run(root, "one", seed=1)
+    make_run(root, "mono", seed=0)
+    assert index_root(str(root), log=quiet).read == 2
+    assert index_root(str(root), log=quiet).read == 0  # the file is found again: incremental, not rebuilt
+    runs = load_runs(str(root / "runs.sqlite"))
+    assert [r["path"] for r in select(runs, ["train.name~on"])] == ["mono", "one"]  # "on", not YAML 1.1's True
+    assert [r["path"] for r in select(runs, ["train.name=one"])] == ["one"]
+    assert select(runs, ["train.seed=true"]) == [] and len(select(runs, ["train.seed=1"])) == 1
+    assert len(select(runs, ["model.tie_embeddings=true"])) == 2
+    assert main(["compare", str(root), "--by", "data.train", "--output", str(tmp_path / "c.png")]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith('["')  # the list, as its JSON text
+    for r in runs:
+        r["val_loss_last"] = float("nan")
+    from pretrain.experiments.query import render
+
+    assert json.loads(render(runs, ["path", "val_loss_last"], "json"))[0]["val_loss_last"] is None
+
+
 def test_bad_roots_and_database_files(tmp_path):
     run = make_run(tmp_path / "root", "r")
     with pytest.raises(RunDBError, match="is itself a run directory"):
@@ -167,6 +210,7 @@ def test_bad_roots_and_database_files(tmp_path):
     con = sqlite3.connect(db)
     con.execute("CREATE TABLE runs (path TEXT)")
     con.execute(f"PRAGMA user_version={SCHEMA + 1}")
+    con.execute(f"PRAGMA application_id={APPLICATION_ID}")
     con.commit()
     con.close()
     before = open(db, "rb").read()
@@ -176,7 +220,17 @@ def test_bad_roots_and_database_files(tmp_path):
     os.remove(db)
     with pytest.raises(RunDBError, match="cannot write the run database .*--db PATH"):
         index_root(root, db=os.path.join(run, "config.yaml", "runs.sqlite"), log=quiet)  # a folder that cannot exist
-    con = sqlite3.connect(db)  # an older layout (schema 0: a table of another shape) is rebuilt
+    con = sqlite3.connect(db)  # another program's SQLite file: refused, never rebuilt
+    con.execute("CREATE TABLE important (x TEXT)")
+    con.commit()
+    con.close()
+    before = open(db, "rb").read()
+    with pytest.raises(RunDBError, match="SQLite file of another program"):
+        index_root(root, log=quiet)
+    assert open(db, "rb").read() == before
+    os.remove(db)
+    con = sqlite3.connect(db)  # an older layout of ours (schema 0: a table of another shape) is rebuilt
+    con.execute(f"PRAGMA application_id={APPLICATION_ID}")
     con.execute("CREATE TABLE runs (path TEXT, loss REAL)")
     con.execute("INSERT INTO runs VALUES ('x', 1.0)")
     con.commit()

@@ -9,6 +9,7 @@ no x value is drawn run by run.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -26,7 +27,8 @@ def curve(run: dict, metric: str, x: str) -> list[tuple[float, float]]:
 
 
 def group_key(run: dict, by: list[str]) -> tuple:
-    return tuple(run.get(f) for f in by)
+    """The run's values of the `by` fields; a list or mapping (data.train) as its JSON text."""
+    return tuple(json.dumps(v) if isinstance(v, (list, dict)) else v for v in (run.get(f) for f in by))
 
 
 def groups(runs: list[dict], by: list[str]) -> dict[tuple, list[dict]]:
@@ -42,11 +44,13 @@ def summary_rows(grouped: dict, by: list[str], metric: str, x: str) -> list[dict
     for key, runs in grouped.items():
         finals = [c[-1] for c in (curve(r, metric, x) for r in runs) if c]
         values = [v for _, v in finals]
+        at = sorted({x_ for x_, _ in finals})
         rows.append({**dict(zip(by, key)), "runs": len(runs), "with_metric": len(values),
                      "mean": statistics.fmean(values) if values else None,
-                     "std": statistics.stdev(values) if len(values) > 1 else (0.0 if values else None),
+                     "std": statistics.stdev(values) if len(values) > 1 else None,
                      "min": min(values) if values else None, "max": max(values) if values else None,
-                     f"final_{x}": statistics.fmean(x_ for x_, _ in finals) if finals else None,
+                     f"final_{x}": (f"{at[0]:,.4g}" if len(at) == 1 else f"{at[0]:,.4g}-{at[-1]:,.4g} (differs)")
+                     if at else None,
                      "status": ",".join(sorted({r["status"] for r in runs}))})
     return rows
 
@@ -58,7 +62,7 @@ def table(rows: list[dict], by: list[str], metric: str, x: str) -> str:
         def f(v, fmt="{:.4f}"):
             return "-" if v is None else fmt.format(v)
         body.append([*(str(r[b]) for b in by), f"{r['with_metric']}/{r['runs']}", f(r["mean"]), f(r["std"]), f(r["min"]),
-                     f(r["max"]), f(r[f"final_{x}"], "{:,.4g}"), r["status"]])
+                     f(r["max"]), r[f"final_{x}"] or "-", r["status"]])
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if i >= len(by) and i < len(head) - 1 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in [head, *body])

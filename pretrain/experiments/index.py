@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 
 SCHEMA = 1  # PRAGMA user_version of the files this code writes
+APPLICATION_ID = 0x70724442  # PRAGMA application_id ("prDB"): a run database, not some other SQLite file
 DB_NAME = "runs.sqlite"
 CURVE_POINTS = 256
 SPEED_WINDOW = 50  # throughput and MFU: the median of the last this many logged steps
@@ -183,7 +184,8 @@ def summarize_metrics(path: str) -> dict:
         "steps": int(last.get("step", 0)),
         "tokens": int(last.get("tokens", 0) or 0),
         "val_loss_last": evals[-1]["val_loss"] if evals else None,
-        "val_loss_best": min(r["val_loss"] for r in evals) if evals else None,
+        "val_loss_best": min(finite) if (finite := [float(r["val_loss"]) for r in evals
+                                                   if math.isfinite(float(r["val_loss"]))]) else None,
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in speed) if speed and "tokens_per_s" in speed[0] else None,
         "mfu": statistics.median(r.get("mfu", 0.0) for r in speed) if speed and "mfu" in speed[0] else None,
         "last_eval": evals_kept[-1] if evals_kept else {},
@@ -275,8 +277,13 @@ def read_run(run_dir: str, cache: dict) -> dict:
         raise RunDBError(f"config.yaml does not load: {e}") from None
     m = summarize_metrics(os.path.join(run_dir, "metrics.jsonl"))
     train = config.get("train") or {}
+    if not isinstance(train.get("max_steps"), int) or isinstance(train.get("max_steps"), bool):
+        raise RunDBError(f"config.yaml's train.max_steps is not an integer: {train.get('max_steps')!r}")
+    timeout = (config.get("checkpoint") or {}).get("lock_timeout_s", 120.0)
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise RunDBError(f"config.yaml's checkpoint.lock_timeout_s is not a number: {timeout!r}")
     row = {"name": train.get("name", ""), "arch": config["model"]["arch"], "max_steps": train.get("max_steps"),
-           "lock_timeout_s": (config.get("checkpoint") or {}).get("lock_timeout_s", 120.0),
+           "lock_timeout_s": timeout,
            "config": flatten(config), **figures, **m, **slurm_state(run_dir), "evals": read_evals(run_dir)}
     row["flops"] = row["tokens"] * figures["flops_per_token"]
     return row
@@ -317,13 +324,15 @@ def pending_points(points_file: str, cache: dict, log, known: dict | None = None
         with open(points_file) as f:
             sweep = json.load(f)
         points = sweep["points"]
+        if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+            raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         log(f"skipped {points_file}: not a sweep's points.json (torn?)")
         return []
     out = []
     for p in points:
         run_dir = p.get("run_dir", "")
-        if not run_dir or os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        if not isinstance(run_dir, str) or not run_dir or os.path.isfile(os.path.join(run_dir, "config.yaml")):
             continue
         if (known.get(os.path.abspath(run_dir)) or {}).get("files") == key:
             out.append((run_dir, known[os.path.abspath(run_dir)]))
@@ -368,12 +377,19 @@ def open_db(path: str, readonly: bool = True) -> sqlite3.Connection | None:
     is not SQLite, is refused in one sentence (and left as it is)."""
     if not os.path.exists(path):
         return None
+    from urllib.parse import quote
+
     try:
-        con = sqlite3.connect(f"file:{path}?mode={'ro' if readonly else 'rw'}", uri=True, timeout=60)
+        con = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode={'ro' if readonly else 'rw'}", uri=True,
+                              timeout=60)
         version = con.execute("PRAGMA user_version").fetchone()[0]
-        con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        app = con.execute("PRAGMA application_id").fetchone()[0]
+        tables = con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
     except sqlite3.DatabaseError as e:
         raise RunDBError(f"{path} is not a run database ({e}); move it aside or give another --db") from None
+    if app != APPLICATION_ID and tables:  # another program's SQLite file: never ours to rebuild
+        con.close()
+        raise RunDBError(f"{path} is an SQLite file of another program, not a run database; give another --db")
     if version > SCHEMA:
         con.close()
         raise RunDBError(f"{path} was written by a newer version of pretrain (schema {version}; this one reads up to "
@@ -436,8 +452,9 @@ def index_root(root: str, db: str = "", log=print, now: float | None = None) -> 
         if row is None or row["files"] != keys or row["status"] == "pending":
             try:
                 row = {**read_run(run_dir, cache), "files": keys}
-            except RunDBError as e:
-                summary.skipped.append(f"skipped {run_dir}: {e}")
+            except (RunDBError, ValueError, TypeError, KeyError, AttributeError) as e:  # one run, never the index
+                why = e if isinstance(e, ValueError) else f"a file holds a value of an unexpected type ({type(e).__name__}: {e})"
+                summary.skipped.append(f"skipped {run_dir}: {why}")
                 log(summary.skipped[-1])
                 continue
             summary.read += 1
@@ -466,7 +483,7 @@ def _sweep_name(points_file: str) -> str:
 def _point_dirs(points_file: str) -> list[str]:
     try:
         with open(points_file) as f:
-            return [p["run_dir"] for p in json.load(f)["points"] if p.get("run_dir")]
+            return [p["run_dir"] for p in json.load(f)["points"] if isinstance(p, dict) and isinstance(p.get("run_dir"), str)]
     except (OSError, ValueError, KeyError, TypeError):
         return []
 
@@ -482,6 +499,7 @@ def _write(db: str, rows: dict, cache: dict, root: str) -> None:
         con.execute("PRAGMA journal_mode=DELETE")
         con.executescript(_SQL)
         con.execute(f"PRAGMA user_version={SCHEMA}")
+        con.execute(f"PRAGMA application_id={APPLICATION_ID}")
         con.executemany(f"INSERT INTO runs ({', '.join(_FIELDS)}) VALUES ({', '.join('?' * len(_FIELDS))})",
                         [tuple(json.dumps(r.get(k)) if k in _JSON else r.get(k) for k in _FIELDS) for r in rows.values()])
         con.executemany("INSERT INTO model_figures VALUES (?, ?)", [(k, json.dumps(v)) for k, v in cache.items()])

@@ -28,7 +28,7 @@ def parse_where(text: str) -> tuple[str, str, object]:
         raise ValueError(f"--where {text!r}: write FIELD OP VALUE with OP one of {' '.join(_OPS)}, e.g. "
                          "model.arch=cart or 'val_loss_best<3.5'")
     field, op, raw = m.groups()
-    return field, op, _typed(raw)
+    return field, op, raw
 
 
 def _typed(raw: str):
@@ -52,17 +52,23 @@ def _number(v) -> float | None:
         return None
 
 
-def matches(value, op: str, want) -> bool:
+def matches(value, op: str, raw: str) -> bool:
+    """`value` (a run's) against the --where text `raw`: typed as YAML, except that ~ and text compare the
+    text as written (YAML 1.1 reads on/yes/no as booleans), and a boolean equals only a boolean."""
     if op == "~":
-        return str(want) in str(value)
+        return raw in str(value)
+    want = _typed(raw)
+    if isinstance(value, bool) or isinstance(want, bool):
+        if not (isinstance(value, bool) and isinstance(want, bool)):
+            want = raw  # compared as text: seed 1 is not true, a name "on" is not True
     a, b = _number(value), _number(want)
-    if a is not None and b is not None and not isinstance(want, bool):
+    if a is not None and b is not None and not isinstance(want, bool) and not isinstance(value, bool):
         if op in ("=", "!="):
             same = math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) or a == b
             return same if op == "=" else not same
         return {"<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op]
     if op in ("=", "!="):
-        same = value == want or (value is not None and want is not None and str(value).lower() == str(want).lower())
+        same = value == want or (value is not None and str(value).lower() == raw.lower())
         return same if op == "=" else not same
     if value is None or want is None:
         return False
@@ -104,6 +110,10 @@ def columns_of(text: str, runs: list[dict]) -> list[str]:
     return cols
 
 
+def _finite(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def _cell(v) -> str:
     if v is None:
         return "-"
@@ -117,8 +127,8 @@ def _cell(v) -> str:
 
 
 def render(runs: list[dict], columns: list[str], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps([{c: r.get(c) for c in columns} for r in runs], indent=1)
+    if fmt == "json":  # NaN and infinities as null: strict JSON readers refuse them
+        return json.dumps([{c: _finite(r.get(c)) for c in columns} for r in runs], indent=1, allow_nan=False)
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")

@@ -74,6 +74,11 @@ def load_recipe(source: str, check_configs: bool = True) -> dict:
     for key in ("paper", "table", "metric", "name", "runs", "rows"):
         if not r.get(key):
             raise RecipeError(f"{where}: missing field {key!r}")
+    if not isinstance(r.get("overrides") or [], list):
+        raise RecipeError(f"{where}: overrides must be a list of FIELD=VALUE, got {r['overrides']!r}")
+    if not re.fullmatch(r"val_[A-Za-z0-9_]+", str(r["metric"])):
+        raise RecipeError(f"{where}: metric must be a validation figure (val_loss, val_ppl, val_acc_..., val_loss_best), "
+                          f"got {r['metric']!r}")
     if not _NAME.fullmatch(str(r["name"])):
         raise RecipeError(f"{where}: name {r['name']!r} may hold only letters, digits and _ . + -")
     runs = r["runs"]
@@ -192,7 +197,7 @@ def run_local(recipe: dict, root: str, extra=(), log=print) -> int:
     write_points(spec, points)  # the index lists the runs that have not started as pending
     failed = []
     for i, p in enumerate(points, 1):
-        if _complete(p["run_dir"]):
+        if _complete(p["run_dir"], max_steps_of(p)):
             log(f"[{i}/{len(points)}] {p['name']}: complete, skipped")
             continue
         log(f"[{i}/{len(points)}] {p['name']}: pretrain train {p['config']} ... ({p['run_dir']})")
@@ -200,13 +205,21 @@ def run_local(recipe: dict, root: str, extra=(), log=print) -> int:
         if rc:
             failed.append(p["name"])
             log(f"[{i}/{len(points)}] {p['name']}: failed with exit code {rc}; going on with the others")
-    failed += evaluate_runs(recipe, root, log)
+    failed += evaluate_runs(recipe, root, log, extra)
     if failed:
         log(f"{len(failed)} of {len(points)} runs failed: {', '.join(failed)}")
     return len(failed)
 
 
-def _complete(run_dir: str) -> bool:
+def max_steps_of(point: dict) -> int:
+    from pretrain.config import load_config
+
+    return load_config(point["config"], point["overrides"], check_data=False, log=lambda *_: None).train.max_steps
+
+
+def _complete(run_dir: str, max_steps: int) -> bool:
+    """Whether the run directory holds a run trained to max_steps (the recipe's; a run trained to another
+    length, by a quick check say, is not complete: `pretrain train` resumes it)."""
     from pretrain.experiments.index import read_config, read_metrics_tolerant
 
     try:
@@ -214,19 +227,20 @@ def _complete(run_dir: str) -> bool:
         records = read_metrics_tolerant(os.path.join(run_dir, "metrics.jsonl"), last_only=True)
     except (ValueError, OSError):
         return False
-    return bool(records) and records[-1]["step"] >= int(config["train"]["max_steps"])
+    return config["train"].get("max_steps") == max_steps and bool(records) and records[-1]["step"] >= max_steps
 
 
-def evaluate_runs(recipe: dict, root: str, log=print) -> list[str]:
+def evaluate_runs(recipe: dict, root: str, log=print, extra=()) -> list[str]:
     """The evaluation step: each complete run with evaluation rows evaluated at every value of each field
     (`pretrain eval RUN --sweep FIELD=... --json`), stored in RUN/evals/FIELD.json; a run not complete yet
     is left for a later call. Returns the runs whose evaluation failed."""
     from data_tools.files import atomic_write
 
     failed = []
+    points = {p["name"]: p for p in sweep_of(recipe, root, extra)[1]}
     for run, fields in eval_plan(recipe).items():
-        run_dir = os.path.join(os.path.abspath(root), recipe["name"], run)
-        if not _complete(run_dir):
+        run_dir = points[run]["run_dir"]
+        if not _complete(run_dir, max_steps_of(points[run])):
             log(f"{run}: not complete; its evaluation waits")
             continue
         for field, values in fields.items():
@@ -245,7 +259,7 @@ def evaluate_runs(recipe: dict, root: str, log=print) -> list[str]:
 
 def submit(recipe: dict, root: str, profile_path: str, extra=(), dry_run: bool = False, log=print) -> None:
     """The runs as one Slurm array (slurm/sweep.py's points, each from its own config), and when the table
-    has evaluation rows a job after it (afterok) that runs the evaluation step."""
+    has evaluation rows a job after it (afterany) that runs the evaluation step."""
     import shlex
 
     from slurm.profile import load_profile
@@ -263,7 +277,8 @@ def submit(recipe: dict, root: str, profile_path: str, extra=(), dry_run: bool =
                          "--root", os.path.abspath(root), *extra])
     text = render_command(profile, f"{recipe['name']}-eval", os.path.join(folder, "slurm", "%x-%j.out"), command)
     if dry_run:
-        print("# --- then, after the array (afterok): the evaluation step\n" + text, end="")
+        print("# --- then, after the array (afterany): the evaluation step\n" + text, end="")
         return
-    eval_job = _sbatch(_write(os.path.join(folder, "eval.sbatch"), text), f"--dependency=afterok:{job}")
-    log(f"submitted evaluation job {eval_job} (after array {job}): pretrain eval --sweep for the evaluation rows")
+    # afterany: a point that gave up must not leave the evaluation of the others pending forever
+    eval_job = _sbatch(_write(os.path.join(folder, "eval.sbatch"), text), f"--dependency=afterany:{job}")
+    log(f"submitted evaluation job {eval_job} (after array {job} ends): pretrain eval --sweep for the evaluation rows")

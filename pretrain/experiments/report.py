@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 
 
-def ours(row: dict, run: dict | None, metric: str) -> tuple[float | None, str]:
-    """(our figure or None, the row's state)."""
+def ours(row: dict, run: dict | None, metric: str, max_steps: int | None = None) -> tuple[float | None, str]:
+    """(our figure or None, the row's state); a run trained to another length than the recipe's says so."""
     if run is None:
         return None, "missing"
     state = run["status"]
+    if max_steps is not None and run.get("max_steps") != max_steps:
+        state = f"{state} (train.max_steps {run.get('max_steps')}, the recipe's {max_steps})"
     if "eval" in row:
         field, value = str(row["eval"]).split("=", 1)
         for r in run.get("evals", {}).get(field, []):
@@ -31,13 +33,14 @@ def label_of(row: dict) -> str:
     return row.get("label") or (f"{row['run']} @ {row['eval']}" if "eval" in row else row["run"])
 
 
-def report_rows(recipe: dict, runs: list[dict], root: str) -> list[dict]:
-    """One dict per recipe row: label, paper, ours, diff, state, source."""
+def report_rows(recipe: dict, runs: list[dict], root: str, max_steps: dict | None = None) -> list[dict]:
+    """One dict per recipe row: label, paper, ours, diff, state, source. `max_steps`: {run: the recipe's
+    train.max_steps} to check each run against."""
     by_path = {os.path.normpath(r["dir"]): r for r in runs}
     out = []
     for row in recipe["rows"]:
         run = by_path.get(os.path.normpath(os.path.join(os.path.abspath(root), recipe["name"], row["run"])))
-        value, state = ours(row, run, recipe["metric"])
+        value, state = ours(row, run, recipe["metric"], (max_steps or {}).get(row["run"]))
         paper = row.get("paper")
         out.append({"label": label_of(row), "paper": paper, "ours": value, "state": state,
                     "diff": value - paper if value is not None and paper is not None else None,
