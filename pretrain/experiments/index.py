@@ -117,8 +117,9 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def metrics_lines(path: str) -> list[tuple[int, bytes]]:
-    """(line number, line) of metrics.jsonl's records, checked cheaply (one JSON object per line); a torn
-    last line (a live run's write under way) is left out, a torn line before it is an error naming it."""
+    """(line number, line) of metrics.jsonl's records, checked cheaply (one JSON object per line, the last
+    one parsed); a torn last line (a live run's write under way) is left out, a torn line before it is an
+    error naming it."""
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:
@@ -136,6 +137,11 @@ def metrics_lines(path: str) -> list[tuple[int, bytes]]:
                 break
             raise RunDBError(f"metrics.jsonl line {n + 1} is not a JSON record")
         out.append((n + 1, line))
+    if out:  # a torn last line can still end in a brace: parsed, and dropped if it is not JSON
+        try:
+            json.loads(out[-1][1])
+        except ValueError:
+            out.pop()
     return out
 
 
@@ -152,11 +158,6 @@ def _record(number: int, line: bytes) -> dict:
 def read_metrics_tolerant(path: str, last_only: bool = False) -> list[dict]:
     """metrics.jsonl's records (or its last one), a torn last line left out (see metrics_lines)."""
     lines = metrics_lines(path)
-    if lines:  # a torn last line can still close a brace: parsed, and dropped if it is not JSON
-        try:
-            json.loads(lines[-1][1])
-        except ValueError:
-            lines.pop()
     return [_record(n, line) for n, line in (lines[-1:] if last_only else lines)]
 
 
@@ -165,11 +166,6 @@ def summarize_metrics(path: str) -> dict:
     every k-th step for the training curve (at most CURVE_POINTS), and the last SPEED_WINDOW steps for
     the throughput (a 10,000-step file is read in milliseconds)."""
     lines = metrics_lines(path) if path else []
-    if lines:
-        try:
-            json.loads(lines[-1][1])
-        except ValueError:  # torn, yet ending in a brace
-            lines.pop()
     n = len(lines)
     every = max(1, math.ceil(n / CURVE_POINTS))
     recent = range(max(1, n - SPEED_WINDOW), n)  # not the first logged step: it holds compilation
@@ -315,11 +311,9 @@ def status_of(row: dict, run_dir: str, now: float) -> str:
     return row.get("history_state") or "incomplete"
 
 
-def pending_points(points_file: str, cache: dict, log, known: dict | None = None) -> list[tuple[str, dict]]:
-    """(run_dir, row) of a sweep's points whose run directory has no config.yaml yet. `known`: rows of an
-    earlier index by run_dir, reused (without loading the config again) when points.json is unchanged."""
-    key, known = {"points.json": _key(points_file)}, known or {}
-
+def read_points(points_file: str, log) -> dict | None:
+    """A sweep's points.json ({"name", "config", "points": [{...}, ...]}), or None when it is torn or not one
+    (said in a line)."""
     try:
         with open(points_file) as f:
             sweep = json.load(f)
@@ -328,9 +322,17 @@ def pending_points(points_file: str, cache: dict, log, known: dict | None = None
             raise TypeError
     except (OSError, ValueError, KeyError, TypeError):
         log(f"skipped {points_file}: not a sweep's points.json (torn?)")
-        return []
+        return None
+    return sweep
+
+
+def pending_points(points_file: str, sweep: dict, cache: dict, log, known: dict | None = None) -> list[tuple[str, dict]]:
+    """(run_dir, row) of a sweep's points (read_points) whose run directory has no config.yaml yet. `known`:
+    rows of an earlier index by run_dir, reused (without loading the config again) when points.json is
+    unchanged."""
+    key, known = {"points.json": _key(points_file)}, known or {}
     out = []
-    for p in points:
+    for p in sweep["points"]:
         run_dir = p.get("run_dir", "")
         if not isinstance(run_dir, str) or not run_dir or os.path.isfile(os.path.join(run_dir, "config.yaml")):
             continue
@@ -372,7 +374,7 @@ _FIELDS = ("path", "name", "arch", "status", "steps", "max_steps", "tokens", "fl
            "slurm_jobs", "restart_limit", "exit_code", "sweep", "history_state", "lock_timeout_s", *_JSON[:-1], "files")
 
 
-def open_db(path: str, readonly: bool = True) -> sqlite3.Connection | None:
+def open_db(path: str) -> sqlite3.Connection | None:
     """An existing database of this schema or an older one (None: no file); a newer schema, or a file that
     is not SQLite, is refused in one sentence (and left as it is)."""
     if not os.path.exists(path):
@@ -380,8 +382,7 @@ def open_db(path: str, readonly: bool = True) -> sqlite3.Connection | None:
     from urllib.parse import quote
 
     try:
-        con = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode={'ro' if readonly else 'rw'}", uri=True,
-                              timeout=60)
+        con = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True, timeout=60)
         version = con.execute("PRAGMA user_version").fetchone()[0]
         app = con.execute("PRAGMA application_id").fetchone()[0]
         tables = con.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
@@ -436,11 +437,15 @@ def index_root(root: str, db: str = "", log=print, now: float | None = None) -> 
     pending = []
     known = {os.path.join(root, rel): row for rel, row in old.items() if row["status"] == "pending"}
     for points_file in sweeps:
-        name = _sweep_name(points_file)
-        for run_dir, row in pending_points(points_file, cache, log, known):
+        sweep = read_points(points_file, log)
+        if sweep is None:
+            continue
+        name = str(sweep.get("name", ""))
+        for run_dir, row in pending_points(points_file, sweep, cache, log, known):
             pending.append((run_dir, {**row, "sweep": name}))
-        for run_dir in _point_dirs(points_file):
-            sweep_of[os.path.abspath(run_dir)] = name
+        for p in sweep["points"]:
+            if isinstance(p.get("run_dir"), str):
+                sweep_of[os.path.abspath(p["run_dir"])] = name
     if not runs and not pending:
         raise RunDBError(f"{root} holds no runs: no directory below it has a config.yaml, and no sweep's points.json "
                          "lists a pending point")
@@ -470,22 +475,6 @@ def index_root(root: str, db: str = "", log=print, now: float | None = None) -> 
     summary.runs = len(rows)
     summary.seconds = time.perf_counter() - t0
     return summary
-
-
-def _sweep_name(points_file: str) -> str:
-    try:
-        with open(points_file) as f:
-            return str(json.load(f).get("name", ""))
-    except (OSError, ValueError, AttributeError):
-        return ""
-
-
-def _point_dirs(points_file: str) -> list[str]:
-    try:
-        with open(points_file) as f:
-            return [p["run_dir"] for p in json.load(f)["points"] if isinstance(p, dict) and isinstance(p.get("run_dir"), str)]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
 
 
 def _write(db: str, rows: dict, cache: dict, root: str) -> None:
