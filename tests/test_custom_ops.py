@@ -85,9 +85,43 @@ def backward_sample(layout, dtype):
     return (do, q, k, v, out, lse, *tiles, 0.25, 16, 16)
 
 
+def memory_inputs(layout, dtype, B=2, H=3, dk=5, dv=7, requires_grad=False):
+    """GPN+M's step inputs (M, k, v, beta, alpha, q): the state M stays fp32 (the model keeps it so under
+    bf16), the others in dtype; "permuted": strided views, M's last dimension included."""
+    g = torch.Generator().manual_seed(2)
+    shapes = {"contiguous": [(B, H, dk, dv), (B, H, dk), (B, H, dv), (B, H), (B, H), (B, H, dk)],
+              "permuted": [(B, H, dv, dk), (B, dk, H), (H, B, dv), (H, B), (H, B), (B, dk, H)]}[layout]
+    views = {"contiguous": [lambda t: t] * 6,
+             "permuted": [lambda t: t.transpose(-1, -2), lambda t: t.transpose(1, 2), lambda t: t.transpose(0, 1),
+                          lambda t: t.t(), lambda t: t.t(), lambda t: t.transpose(1, 2)]}[layout]
+    out = []
+    for i, (shape, view) in enumerate(zip(shapes, views)):
+        t = torch.randn(shape, generator=g)
+        if i in (3, 4):  # beta, alpha in (0, 1)
+            t = torch.sigmoid(t)
+        out.append(view(t.to(DEVICE, torch.float32 if i == 0 else dtype)).requires_grad_(requires_grad))
+    return out
+
+
+def memory_forward_sample(layout, dtype):
+    return tuple(memory_inputs(layout, dtype, requires_grad=True))
+
+
+def memory_backward_sample(layout, dtype):
+    M, *rest = memory_inputs(layout, dtype)
+    g = torch.Generator().manual_seed(3)
+    B, H, _, dv = M.shape
+    dMt, do = torch.randn(M.shape, generator=g).to(DEVICE), torch.randn(B, H, dv, generator=g).to(DEVICE)
+    if layout == "permuted":
+        dMt = dMt.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return (dMt, do, M, *rest)
+
+
 SAMPLES = {  # op -> (layout, dtype) -> its positional arguments
     "pretrain::block_sparse_attention": forward_sample,
     "pretrain::block_sparse_attention_backward": backward_sample,
+    "pretrain::delta_memory_step": memory_forward_sample,
+    "pretrain::delta_memory_step_backward": memory_backward_sample,
 }
 OPS = registered_ops()
 

@@ -8,12 +8,20 @@ Paths (kernels/registry.py):
 The model's time loop cannot use either (its q, k, v, beta, alpha depend on the state): it calls the ops
 "delta_memory_step" (one write and the first read) and "delta_memory_read" (a later read), whose
 "reference" paths are reference.step / reference.read; the chunked form stays a tested identity for
-fixed inputs. A fused GPU kernel of the step registers as a path of "delta_memory_step".
+fixed inputs. "delta_memory_step" has a second path:
+    "triton"     the write and the first read fused, one kernel forward and one backward (triton_step.py,
+                 custom ops pretrain::delta_memory_step{,_backward}): automatic on CUDA for a float32 state
+                 (above "reference"); on a CPU only forced (PRETRAIN_KERNELS=delta_memory_step=triton) under
+                 TRITON_INTERPRET=1 (the tests), so CPU runs and their golden curves stay on "reference";
+                 float64 is refused (its arithmetic is fp32)
 """
 from __future__ import annotations
 
+import torch
+
 from kernels import registry
 from kernels.delta_memory import chunked, reference
+from kernels.triton_support import triton_can_run
 
 OP = registry.op("delta_memory")
 OP.register("chunked", chunked.recurrence, priority=10,
@@ -29,6 +37,36 @@ def delta_memory(q, k, v, beta, alpha, M0=None, chunk: int = 0):
 #     memory_step(M, k, v, beta, alpha, q) -> (M_t, M_t^T q)   the write, then the first read
 #     memory_read(M, q) -> M^T q                                 a later predict sub-layer's read
 STEP = registry.op("delta_memory_step")
+MAX_D_KEY = 1024  # the Triton step holds a whole key column per program
+
+
+def _triton_step(M, k, v, beta, alpha, q):
+    # Triton is imported on the first call only
+    from kernels.delta_memory import triton_step
+
+    return triton_step.step(M, k, v, beta, alpha, q)
+
+
+def _triton_refusal(M, k, v, beta, alpha, q):
+    """Why the Triton step cannot serve this call (None: it can). Python values only: devices, dtypes, shapes."""
+    if not triton_can_run(M):
+        return (f"the Triton memory step runs on CUDA with Triton installed, or on a CPU under TRITON_INTERPRET=1; "
+                f"the state is on {M.device.type}")
+    if M.device.type == "cpu" and STEP.forced != "triton":
+        return "on a CPU the Triton memory step (Triton's interpreter) runs only when forced"
+    if M.dtype != torch.float32:
+        return f"the Triton memory step keeps a float32 state (its arithmetic is fp32); the state is {M.dtype}"
+    for t in (k, v, beta, alpha, q):
+        if t.device != M.device:
+            return f"the memory step's inputs must share the state's device ({M.device}), got {t.device}"
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"the Triton memory step takes float32, bfloat16 or float16 inputs, got {t.dtype}"
+    if M.shape[-2] > MAX_D_KEY:
+        return f"the Triton memory step holds a whole key column per program: d_k <= {MAX_D_KEY}, got {M.shape[-2]}"
+    return None
+
+
+STEP.register("triton", _triton_step, priority=10, refusal=_triton_refusal)
 STEP.register("reference", reference.step)
 READ = registry.op("delta_memory_read")
 READ.register("reference", reference.read)

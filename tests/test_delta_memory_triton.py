@@ -1,0 +1,168 @@
+"""GPN+M's fused memory step in Triton (kernels/delta_memory/triton_step.py, issue 37) against the definition,
+reference.step: forward values and every gradient at odd shapes, through a chain of steps (the backward
+through M), with bf16 inputs; how the "triton" path of delta_memory_step is picked and refused; and a tiny
+GPN+M whose loss and gradients are the same on either path. On a CPU the kernels run in Triton's interpreter
+(TRITON_INTERPRET=1, set by conftest.py); the path serves CPU calls only when forced."""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="needs Triton (its interpreter runs the memory step's kernels on a CPU)")
+
+from kernels import registry
+from kernels.delta_memory import STEP, memory_step, reference
+
+DEVICE = "cpu" if triton.knobs.runtime.interpret else "cuda" if torch.cuda.is_available() else None
+pytestmark = pytest.mark.skipif(DEVICE is None, reason="needs Triton's interpreter (TRITON_INTERPRET=1 before triton "
+                                "is imported) or a CUDA device to run the Triton kernels")
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # fp32, sums in another order than torch's bmm
+
+
+def triton_step():
+    from kernels.delta_memory import triton_step as module
+
+    return module
+
+
+def inputs(B, H, dk, dv, dtype=torch.float32, seed=0, T=None):
+    """(M, k, v, beta, alpha, q) as the model makes them: unit keys, beta and alpha in (0, 1); M fp32. With T:
+    k, v, beta, alpha, q carry a time dimension after B (one per step)."""
+    g = torch.Generator().manual_seed(seed)
+    t = () if T is None else (T,)
+    M = torch.randn(B, H, dk, dv, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(B, *t, H, dk, generator=g), dim=-1)
+    v, q = torch.randn(B, *t, H, dv, generator=g), torch.randn(B, *t, H, dk, generator=g)
+    beta, alpha = torch.rand(B, *t, H, generator=g), 0.5 + 0.5 * torch.rand(B, *t, H, generator=g)
+    return [M.to(DEVICE)] + [x.to(DEVICE, dtype) for x in (k, v, beta, alpha, q)]
+
+
+def leaves(ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def grads_of(run, args, seed=5):
+    """(outputs, gradients of every arg) of a random linear function of run(*args)'s outputs."""
+    args = leaves(args)
+    outs = run(*args)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=g).to(o)).sum() for o in outs)
+    return [o.detach() for o in outs], torch.autograd.grad(loss, args)
+
+
+NAMES = ("M", "k", "v", "beta", "alpha", "q")
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 5, 7), (2, 3, 32, 48), (1, 2, 40, 200)],
+                         ids=["odd", "larger", "column-blocks"])
+def test_one_step_and_all_its_gradients_equal_the_reference(shape):
+    """Odd sizes (masked blocks), and d_k x d_v past one block of columns (the backward's loop over them)."""
+    args = inputs(*shape)
+    want_out, want = grads_of(reference.step, args)
+    got_out, got = grads_of(triton_step().step, args)
+    for name, g, w in zip(("M_t", "o"), got_out, want_out):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    for name, g, w in zip(NAMES, got, want):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+    assert got_out[0].is_contiguous() and got_out[1].is_contiguous()
+
+
+def chain(step):
+    """Steps with the memory fed back; returns every read and the last memory."""
+    def run(M, k, v, beta, alpha, q):
+        reads = []
+        for t in range(k.shape[1]):
+            M, o = step(M, k[:, t], v[:, t], beta[:, t], alpha[:, t], q[:, t])
+            reads.append(o)
+        return torch.stack(reads, 1), M
+    return run
+
+
+def test_a_chain_of_steps_backpropagates_through_the_memory():
+    args = inputs(2, 3, 6, 9, T=4, seed=1)  # strided per-step slices of [B, T, H, ...] inputs, as in a loop
+    want_out, want = grads_of(chain(reference.step), args)
+    got_out, got = grads_of(chain(triton_step().step), args)
+    for g, w in zip(got_out, want_out):
+        torch.testing.assert_close(g, w, **TOL)
+    for name, g, w in zip(NAMES, got, want):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_bf16_inputs_with_an_fp32_state():
+    """k, v, beta, alpha, q in bf16 (widened to fp32 on load): the reference's values on the widened inputs,
+    M_t and o in M's dtype, each gradient in its input's dtype."""
+    args = inputs(2, 2, 5, 7, dtype=torch.bfloat16, seed=2)
+    want_out, want = grads_of(reference.step, [t.float() for t in args])
+    got_out, got = grads_of(triton_step().step, args)
+    assert [o.dtype for o in got_out] == [torch.float32] * 2
+    assert [g.dtype for g in got] == [t.dtype for t in args]
+    for g, w in zip(got_out, want_out):
+        torch.testing.assert_close(g, w, **TOL)
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    for g, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(g.float(), w, rtol=1e-2, atol=1e-2)  # rounded to bf16 once
+
+
+@pytest.fixture
+def forced_triton():
+    registry.force("delta_memory_step", "triton")
+    try:
+        yield
+    finally:
+        registry.force("delta_memory_step", None)
+
+
+def test_a_forced_triton_path_serves_memory_step(forced_triton):
+    args = inputs(2, 3, 5, 7, seed=3)
+    registry.reset_paths_used()
+    M, o = memory_step(*args)
+    assert registry.paths_used()["delta_memory_step"] == ["triton"]
+    want_M, want_o = reference.step(*args)
+    torch.testing.assert_close(M, want_M, **TOL)
+    torch.testing.assert_close(o, want_o, **TOL)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's rule: on CUDA the Triton step is automatic")
+def test_an_unforced_cpu_call_stays_on_the_reference():
+    args = inputs(2, 3, 5, 7, seed=3)
+    registry.reset_paths_used()
+    memory_step(*args)
+    assert registry.paths_used()["delta_memory_step"] == ["reference"]
+    assert "only when forced" in STEP.paths["triton"].refusal(*args)
+
+
+def test_a_forced_triton_path_refuses_a_float64_state_saying_why(forced_triton):
+    args = [t.double() for t in inputs(2, 3, 5, 7)]
+    with pytest.raises(registry.PathRefused, match="float32 state.*torch.float64"):
+        memory_step(*args)
+
+
+# -- a tiny GPN+M on either path ---------------------------------------------------------------------------
+def tiny_gpn_loss_and_grads(path):
+    from pretrain.data.batch import collate
+    from pretrain.models.gpn import GPN, GPNConfig
+
+    torch.manual_seed(0)
+    model = GPN(GPNConfig(vocab_size=61, d_emb=16, d_state=24, d_ffn=32, mem_heads=3, d_key=5, d_value=7,
+                          n_layers=2, segment=3)).to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # move the zero-initialised matrices off zero, so every path carries gradient
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p) * 0.1)
+    raw = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(2)).numpy()
+    batch = collate((raw, raw * 0), eod_id=None).to(DEVICE)
+    registry.force("delta_memory_step", path)
+    try:
+        registry.reset_paths_used()
+        loss, _ = model(batch)
+        loss.backward()
+        assert registry.paths_used()["delta_memory_step"] == [path]
+    finally:
+        registry.force("delta_memory_step", None)
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_a_tiny_gpn_m_trains_alike_on_the_triton_step():
+    want_loss, want = tiny_gpn_loss_and_grads("reference")
+    got_loss, got = tiny_gpn_loss_and_grads("triton")
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
