@@ -166,6 +166,9 @@ class TrainConfig:
     precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True  # torch.compile the model (pays off after ~50 steps on CPU; short runs turn it off)
+    # CUDA graphs for the loops an architecture declares (RT's layers, GPN's segments; kernels/captured.py):
+    # auto (captured on a GPU, eager elsewhere with one line saying so) | on (refused where it cannot) | off
+    cuda_graphs: str = "off"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     log_every: int = 10  # steps between progress lines and metrics.jsonl records
     eval_every: int = 200  # steps between validation passes; 0 = only at the end
@@ -200,8 +203,10 @@ class TrainConfig:
                               f"it off, got {z}")
         if self.skip_outlier_window < 2:
             raise ConfigError(f"train.skip_outlier_window must be at least 2 steps, got {self.skip_outlier_window}")
+        if str(self.cuda_graphs) in ("True", "False"):  # YAML 1.1 reads a bare on / off as a boolean
+            self.cuda_graphs = "on" if str(self.cuda_graphs) == "True" else "off"
         choices = {"precision": ("auto", "fp32", "bf16", "fp64"), "device": ("auto", "cpu", "cuda"),
-                   "nan_policy": ("stop", "skip")}
+                   "nan_policy": ("stop", "skip"), "cuda_graphs": ("auto", "on", "off")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -310,6 +315,13 @@ class RunConfig:
         self.optim.validate()
         self.schedule.validate(self.train.max_steps, self.tokens_per_step)
         self.train.validate()
+        if self.train.cuda_graphs == "on":  # the device is checked by the trainer (kernels/captured.check)
+            what, why = spec.captured_regions(self)
+            why = why or (None if what else f"model.arch {spec.name!r} declares no loop to capture (RT and GPN do)")
+            if why is None and self.parallel.pp > 1:
+                why = f"parallel.pp={self.parallel.pp}: pipeline stages would need one graph per micro batch in flight"
+            if why:
+                raise ConfigError(f"train.cuda_graphs=on captures nothing here: {why}; use auto or off")
         self.checkpoint.validate()
         if self.checkpoint.lock_timeout_s >= self.parallel.timeout_s:  # a Slurm job may wait that long on rank 0
             raise ConfigError(f"checkpoint.lock_timeout_s ({self.checkpoint.lock_timeout_s:g} s) must be shorter than "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import describe_paths_used, reset_paths_used
+from kernels import captured, describe_paths_used, reset_paths_used
 from data_tools.files import atomic_write
 from data_tools.storage import free_bytes, mb, storage_operation, tree_bytes
 from parallel.apply import parallelize
@@ -239,6 +239,11 @@ class Trainer:
         # a forced kernel path that cannot serve this model: one sentence before any work
         check_forced_paths(cfg.model, cfg.data.seq_len, self.device, param_dtype(t), self.amp_dtype, t.seed)
         self.spec = get_arch(cfg.model.arch)
+        # CUDA graphs of the architecture's loops (kernels/captured.py): refused here when forced and impossible
+        captured.reset()
+        self.capture_line, capture = captured.check(t.cuda_graphs, self.device, *self.spec.captured_regions(cfg),
+                                                    pipeline=cfg.parallel.pp > 1)
+        self.capture_mode = t.cuda_graphs if capture else "off"
         self.run_dir = t.run_dir
         check_vocab(cfg.data.train + cfg.data.valid, cfg.model.vocab_size)
         if internal := self.spec.internal_tokens(cfg.model):
@@ -423,7 +428,8 @@ class Trainer:
         total = all_reduce_sum(tokens.sum(), "target token count").clamp(min=1.0)
         weights = tokens * (self.dp_size / total)
         window.timer.mark("data")
-        loss_sum, diagnostics = self.engine.forward_backward(micro, weights, ctx, self._autocast, window.timer)
+        with captured.step(self.capture_mode, self.log):  # regions replayed as CUDA graphs when on
+            loss_sum, diagnostics = self.engine.forward_backward(micro, weights, ctx, self._autocast, window.timer)
         window.add_diagnostics(diagnostics, self.dp_size)
         window.flops += self.spec.flops_per_token(self.cfg.model, self.cfg.data.seq_len, ctx) * \
             self.cfg.tokens_per_step
@@ -481,7 +487,7 @@ class Trainer:
             self.wandb.log(record)
         if not self.kernels_reported:  # after the first logged step, once: which kernel paths ran
             self.kernels_reported = True
-            self.log(f"kernels: {describe_paths_used()}")
+            self.log(f"kernels: {describe_paths_used()}" + (f" | {graphs}" if (graphs := captured.summary()) else ""))
         self.log(progress_line(record, self.cfg.train.max_steps, self.spec.progress) + (
             f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else "")
             + (f" | {accuracy_line(record)}" if do_eval and self.cfg.data.task else ""))
@@ -533,3 +539,5 @@ class Trainer:
                  f"{' | activation recompute: ' + p.recompute if p.recompute != 'none' else ''}")
         if cfg.train.compile:
             self.log("compiling the model: the first steps are slow (train.compile=false runs it eagerly)")
+        if self.capture_line:
+            self.log(self.capture_line)

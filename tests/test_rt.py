@@ -445,3 +445,23 @@ def test_rt_layers_are_static_regions_that_a_capture_hook_runs_in_their_place():
         got = model.apply_units(model.embed(x), Run(a, capture=capture))
     assert torch.equal(got, want) and len(seen) == 2 and all(u.static for u in model.units())
     assert not any(u.static for u in model_of(torch.float64, recurrent=False).units())
+
+
+def test_compile_leaves_the_layers_out_and_gives_the_eager_loss_and_gradients():
+    """train.compile on RT compiles around its layers (tracing one unrolls N positions: minutes), so the
+    compiled model is the eager one, layer for layer."""
+    from pretrain.data.batch import collate
+
+    tokens = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(3)).numpy()
+    batch = collate((tokens, tokens * 0), eod_id=None)
+    eager, compiled = model_of(dtype=torch.float32), model_of(dtype=torch.float32)
+    compiled.compile()
+    results = []
+    for m in (eager, compiled):
+        loss, _ = m(batch)
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in m.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert all(getattr(b.forward, "_torchdynamo_disable", False) for b in compiled.blocks)

@@ -16,6 +16,12 @@ A layer may provide its own input gradients of kv and post (vjp_kv, vjp_post: ch
 graph per position); autograd is used otherwise. Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
 kv() and post() for the input and parameter gradients.
 
+Both the forward and the backward are functions of tensors, run through kernels/captured.py: in a
+training step on a GPU with train.cuda_graphs on, each is one CUDA graph per layer replayed every step
+(spec §3.7: the position loop's launches, not its arithmetic, are the cost there); elsewhere they run
+as written. A layer takes part by naming itself (`region_key`) and listing the tensors it reads that
+are made per forward (`tensors()`, `with_tensors()`: RoPE tables); KEYS_MOVED counts the capture only.
+
 `update_tile` and `tile_grads` are the two per-tile functions a kernel replaces (spec §3.8): every
 entry point takes them as `ops` (TileOps; triton_tile.OPS are the Triton kernels).
 """
@@ -26,6 +32,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from kernels import captured
 from kernels.rt_prefill.reference import acc_dtype, alibi
 from kernels.rt_prefill.schedule import leaf_keys, lowbit, tiles
 
@@ -138,8 +145,12 @@ class TiledPrefill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer, leaf, offset, ops, *params):
-        with torch.no_grad():
-            Z, _, _, lse = forward(x, layer, leaf, offset, ops=ops)
+        def run(x, *extra):  # a captured region (kernels/captured.py): tensors in, tensors out
+            with torch.no_grad():
+                Z, _, _, lse = forward(x, _bound(layer, extra), leaf, offset, ops=ops)
+            return Z, lse
+
+        Z, lse = _region("rt_prefill forward", layer, (leaf, offset, ops), run, [x])
         ctx.save_for_backward(x, Z, lse)
         ctx.layer, ctx.leaf, ctx.offset, ctx.n_params, ctx.ops = layer, leaf, offset, len(params), ops
         ctx.params = params
@@ -148,71 +159,97 @@ class TiledPrefill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gZ):
         x, Z, lse = ctx.saved_tensors
-        layer, leaf, offset, params = ctx.layer, ctx.leaf, ctx.offset, ctx.params
-        B, N, _ = x.shape
-        dtype = acc_dtype(x)
-        with torch.enable_grad():  # phase 0: the batched graphs phase 2 backpropagates through
-            xd, zd = x.detach().requires_grad_(), Z.detach().requires_grad_()
-            q, kt, vt = layer.pre(xd, offset)
-            K, V = layer.kv(zd, offset)
-        qs = q.detach().to(dtype) * layer.scale
-        Kd, Vd, ktd, vtd = K.detach(), V.detach(), kt.detach().to(dtype), vt.detach().to(dtype)
-        p_diag = torch.exp((qs * ktd).sum(-1) - lse)
-        A = p_diag[..., None] * vtd  # the attention outputs, rebuilt from the log-sum-exp
-        for t in range(N):
-            for a0, a1, k0, k1 in _pieces(N, leaf, t):
-                for a in range(a0, a1, BLOCK):
-                    b = slice(a, min(a + BLOCK, a1))
-                    p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
-                                  - lse[:, :, b, None])
-                    A[:, :, b] += p @ Vd[:, :, k0:k1].to(dtype)
-        A_in = A.to(x.dtype)
-        dK, dV = torch.zeros_like(A), torch.zeros_like(A)
-        dqs, G = torch.zeros_like(A), torch.zeros_like(A)
-        D = torch.zeros_like(lse)
-        gZ_total = torch.empty_like(gZ)
-        vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
-        for t in reversed(range(N)):  # phase 1
-            dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
-            if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
-                dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t) + gZ[:, t:t + 1]
-            else:
-                with torch.enable_grad():
-                    zt = Z[:, t:t + 1].detach().requires_grad_()
-                    dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
-            if vjp_post is not None:
-                g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz)
-            else:
-                with torch.enable_grad():
-                    at = A_in[:, :, t:t + 1].detach().requires_grad_()
-                    g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
-            gZ_total[:, t:t + 1] = dz
-            G[:, :, t:t + 1] = g.to(dtype)
-            D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
-            for a0, a1, k0, k1 in _pieces(N, leaf, t):
-                dq, dk, dv = ctx.ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
-                                        D[:, :, a0:a1], lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0)
-                dqs[:, :, a0:a1] += dq
-                dK[:, :, k0:k1] += dk
-                dV[:, :, k0:k1] += dv
-        ds_diag = p_diag * ((G * vtd).sum(-1) - D)  # phase 2: the temporary pairs, then the batched graphs
-        dqs += ds_diag[..., None] * ktd
-        d_kt = ds_diag[..., None] * qs
-        d_vt = p_diag[..., None] * G
-        with torch.enable_grad():
-            xp = x.detach().requires_grad_()
-            zp = layer.post(xp, A_in)
-        inputs = (xd, *params)
-        grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
-                                                              d_vt.to(vt.dtype)), allow_unused=True)
-        grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
-        grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
-        dx = grads_pre[0] + grads_post[0]
-        out = []
-        for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
-            parts = [g for g in (a, b, c) if g is not None]
-            out.append(sum(parts[1:], parts[0]) if parts else None)
-        return (dx, None, None, None, None, *out)
+        layer, leaf, offset, params, ops = ctx.layer, ctx.leaf, ctx.offset, ctx.params, ctx.ops
+
+        def run(x, Z, lse, gZ, *extra):
+            return _backward(_bound(layer, extra), leaf, offset, params, ops, x, Z, lse, gZ)
+
+        dx, *grads = _region("rt_prefill backward", layer, (leaf, offset, ops), run, [x, Z, lse, gZ])
+        return (dx, None, None, None, None, *grads)
+
+
+def _region(what: str, layer, key: tuple, run, inputs: list) -> list:
+    """run(*inputs, *the layer's own tensors) as a captured region (a CUDA graph in a training step on a
+    GPU under train.cuda_graphs) when the layer names itself (`region_key`: the same every step), else
+    as is."""
+    name = getattr(layer, "region_key", None)
+    if name is None:
+        return list(run(*inputs))
+    return captured.region((what, name, *key), run, [*inputs, *layer.tensors()])
+
+
+def _bound(layer, extra):
+    """The layer reading the region's copies of its own tensors (RoPE tables), when it has any."""
+    return layer.with_tensors(list(extra)) if extra else layer
+
+
+def _backward(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: Tensor, lse: Tensor,
+              gZ: Tensor) -> list:
+    """TiledPrefill's backward as a function of tensors: [dx, *parameter gradients]."""
+    B, N, _ = x.shape
+    dtype = acc_dtype(x)
+    with torch.enable_grad():  # phase 0: the batched graphs phase 2 backpropagates through
+        xd, zd = x.detach().requires_grad_(), Z.detach().requires_grad_()
+        q, kt, vt = layer.pre(xd, offset)
+        K, V = layer.kv(zd, offset)
+    qs = q.detach().to(dtype) * layer.scale
+    Kd, Vd, ktd, vtd = K.detach(), V.detach(), kt.detach().to(dtype), vt.detach().to(dtype)
+    p_diag = torch.exp((qs * ktd).sum(-1) - lse)
+    A = p_diag[..., None] * vtd  # the attention outputs, rebuilt from the log-sum-exp
+    for t in range(N):
+        for a0, a1, k0, k1 in _pieces(N, leaf, t):
+            for a in range(a0, a1, BLOCK):
+                b = slice(a, min(a + BLOCK, a1))
+                p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
+                              - lse[:, :, b, None])
+                A[:, :, b] += p @ Vd[:, :, k0:k1].to(dtype)
+    A_in = A.to(x.dtype)
+    dK, dV = torch.zeros_like(A), torch.zeros_like(A)
+    dqs, G = torch.zeros_like(A), torch.zeros_like(A)
+    D = torch.zeros_like(lse)
+    gZ_total = torch.empty_like(gZ)
+    vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
+    for t in reversed(range(N)):  # phase 1
+        dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
+        if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
+            dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t) + gZ[:, t:t + 1]
+        else:
+            with torch.enable_grad():
+                zt = Z[:, t:t + 1].detach().requires_grad_()
+                dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
+        if vjp_post is not None:
+            g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz)
+        else:
+            with torch.enable_grad():
+                at = A_in[:, :, t:t + 1].detach().requires_grad_()
+                g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
+        gZ_total[:, t:t + 1] = dz
+        G[:, :, t:t + 1] = g.to(dtype)
+        D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
+        for a0, a1, k0, k1 in _pieces(N, leaf, t):
+            dq, dk, dv = ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
+                                    D[:, :, a0:a1], lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0)
+            dqs[:, :, a0:a1] += dq
+            dK[:, :, k0:k1] += dk
+            dV[:, :, k0:k1] += dv
+    ds_diag = p_diag * ((G * vtd).sum(-1) - D)  # phase 2: the temporary pairs, then the batched graphs
+    dqs += ds_diag[..., None] * ktd
+    d_kt = ds_diag[..., None] * qs
+    d_vt = p_diag[..., None] * G
+    with torch.enable_grad():
+        xp = x.detach().requires_grad_()
+        zp = layer.post(xp, A_in)
+    inputs = (xd, *params)
+    grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
+                                                          d_vt.to(vt.dtype)), allow_unused=True)
+    grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
+    grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
+    dx = grads_pre[0] + grads_post[0]
+    out = []
+    for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
+        parts = [g for g in (a, b, c) if g is not None]
+        out.append(sum(parts[1:], parts[0]) if parts else None)
+    return [dx, *out]
 
 
 def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0, ops: TileOps | None = None) -> Tensor:

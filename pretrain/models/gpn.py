@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import captured
 from kernels.delta_memory import memory_read, memory_step
 from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, replicated_parameter
 from parallel.recompute import Recompute
@@ -222,28 +223,57 @@ class _Segment(torch.autograd.Function):
     segment's inputs: its start state, its slice of G and the loop's matrices, which live anyway); the
     backward runs the segment again with a graph and differentiates it. One node per segment, not one
     per op and step: memory O(T/S + S) in the window (torch's non-reentrant checkpoint keeps a holder
-    per saved tensor of every step, O(T) however small, measured at about 50 KB per token)."""
+    per saved tensor of every step, O(T) however small, measured at about 50 KB per token).
+    Both bodies are functions of tensors run through kernels/captured.py: in a training step on a GPU
+    under train.cuda_graphs, one CUDA graph per body serves every segment of the window (the shorter last
+    segment, a truncation cut and a window with document resets get their own), replayed with the
+    segment's inputs copied in."""
 
     @staticmethod
     def forward(ctx, model, W: Folded, n_state: int, keep, cut: bool, *inputs):
-        state, G, flat = list(inputs[:n_state]), inputs[n_state], inputs[n_state + 1:]
-        with torch.no_grad():
-            sp, state = model._run(state, G, W.with_tensors(list(flat)), keep, cut)
+        def run(*xs):  # a captured region (kernels/captured.py): tensors in, tensors out
+            state, G, flat, keep_ = _split(xs, n_state, len(inputs), keep is not None)
+            with torch.no_grad():
+                sp, state = model._run(state, G, W.with_tensors(flat), keep_, cut)
+            return sp, *state
+
+        outs = captured.region(("gpn segment forward", id(model), n_state, cut), run, _with_keep(inputs, keep))
         ctx.model, ctx.W, ctx.n_state, ctx.keep, ctx.cut = model, W, n_state, keep, cut
         ctx.save_for_backward(*inputs)
-        return sp, *state
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
-        n = ctx.n_state
-        with torch.enable_grad():
-            sp, state = ctx.model._run(inputs[:n], inputs[n], ctx.W.with_tensors(inputs[n + 1:]), ctx.keep, ctx.cut)
-        pairs = [(o, g) for o, g in zip([sp, *state], grads) if g is not None and o.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad]
-        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                   if pairs and wanted else [None] * len(wanted))
-        return (None, None, None, None, None, *[next(got) if t.requires_grad else None for t in inputs])
+        need, n, W, model, cut, keep = ctx.needs_input_grad[5:], ctx.n_state, ctx.W, ctx.model, ctx.cut, ctx.keep
+        given = tuple(g is not None for g in grads)
+        saved = ctx.saved_tensors
+
+        def run(*xs):
+            state, G, flat, keep_ = _split(xs[:len(saved)] + xs[len(xs) - (keep is not None):], n, len(saved),
+                                           keep is not None)
+            gs = iter(xs[len(saved):len(saved) + sum(given)])
+            inputs = [t.detach().requires_grad_(wants) for t, wants in zip([*state, G, *flat], need)]
+            with torch.enable_grad():
+                sp, out = model._run(inputs[:n], inputs[n], W.with_tensors(inputs[n + 1:]), keep_, cut)
+            pairs = [(o, next(gs)) for o, has in zip([sp, *out], given) if has]
+            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            wanted = [t for t in inputs if t.requires_grad]
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                       if pairs and wanted else [None] * len(wanted))
+            return [next(got) if t.requires_grad else None for t in inputs]
+
+        grads_in = captured.region(("gpn segment backward", id(model), n, cut, need, given), run,
+                                   _with_keep([*saved, *(g for g in grads if g is not None)], keep))
+        return (None, None, None, None, None, *grads_in)
+
+
+def _with_keep(tensors, keep) -> list[Tensor]:
+    return [*tensors, keep] if keep is not None else list(tensors)
+
+
+def _split(xs, n_state: int, n_inputs: int, has_keep: bool):
+    """A segment region's inputs [*state, G, *folded matrices, (keep)] as (state, G, matrices, keep)."""
+    return list(xs[:n_state]), xs[n_state], list(xs[n_state + 1:n_inputs]), xs[n_inputs] if has_keep else None
 
 
 class GPN(Whole, nn.Module):
@@ -577,5 +607,8 @@ SPEC = register(ArchSpec(
         "pp": "the last predict sub-layer at step t feeds the ground of step t+1: stages would run one after another "
               "for every token (spec §5.2)"}),
     recompute_units={"segments": Recompute(configure=_recompute_segments)},
+    captured_regions=lambda run: ("GPN's BPTT segments (forward and backward)", None)
+    if run.parallel.recompute != "none" else (None, "parallel.recompute=none differentiates the window as one graph; "
+                                              "its segments are regions under parallel.recompute=full"),
     plan_shape=lambda cfg: (cfg.d_state, cfg.n_layers),  # the time loop's matmuls are d wide
 ))

@@ -161,6 +161,10 @@ class ArchSpec:
     # keeping only its input). Default: none.
     recompute_units: Recompute | Callable[[Any], list] | dict[str, Recompute | Callable[[Any], list]] = \
         field(default_factory=dict)
+    # Loops run as CUDA graphs under train.cuda_graphs (kernels/captured.py): captured_regions(run) ->
+    # (what they are in words, for the start line; None with why not in this run, e.g. without the
+    # recompute that makes a segment a region). Default: none, (None, None).
+    captured_regions: Callable[[Any], tuple[str | None, str | None]] = lambda run: (None, None)
     # Token ids the model uses internally, {name: id} from its config (SPS's <predict>): the trainer
     # refuses a dataset that holds one, and generation never samples one (its logits are left as the
     # model computes them, so the decode relation still compares the model's own). Default: none.

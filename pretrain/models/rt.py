@@ -107,6 +107,18 @@ class LayerView:
         self.scale = 1.0 / math.sqrt(attn.head_dim)
         self.slopes = attn.alibi.slopes if attn.positions == "alibi" else None
 
+    # A captured region (kernels/captured.py, through kernels/rt_prefill/tiled.py) knows the layer by its
+    # block, the same every step, and takes the RoPE tables, made per forward, as inputs.
+    @property
+    def region_key(self) -> int:
+        return id(self.block)
+
+    def tensors(self) -> list[Tensor]:
+        return list(self.rope) if self.rope is not None else []
+
+    def with_tensors(self, tables: list[Tensor]) -> "LayerView":
+        return LayerView(self.block, tuple(tables), self.base)
+
     def _tables(self, offset: int, n: int):
         if self.rope is None:
             return None
@@ -211,6 +223,16 @@ class RT(Decoder):
     def applications(self) -> list[nn.Module]:
         return list(self.blocks)
 
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile of everything but the RT layers (train.compile): tracing a layer unrolls its N positions
+        into one graph (d 64 at N = 32: 201 s to the first step on a CPU, against seconds for the rest; the issue's
+        RT-300M at N = 512 had not compiled after 80 s on an H100), so the layers run as written, or as CUDA
+        graphs under train.cuda_graphs, while the embedding, final norm, head and loss compile around them."""
+        if self.cfg.recurrent:
+            for block in self.blocks:
+                block.forward = torch.compiler.disable(block.forward, recursive=True)
+        super().compile(*args, **kwargs)
+
     def units(self) -> list[Unit]:
         """A layer each; an RT layer's position loop is a static region (units.Unit.static)."""
         return [Unit.block(b, i, static=self.cfg.recurrent) for i, b in enumerate(self.blocks)]
@@ -286,4 +308,6 @@ SPEC = register(ArchSpec(
         "sp": "the recurrence runs over the whole sequence: a sequence slice cannot be computed without the "
               "previous slice's outputs (spec §3.8)"}),
     recompute_units=unit_modules,  # each block: the Transformer rows only (validate_run refuses RT's)
+    captured_regions=lambda run: ("RT's per-layer position loops (the tile schedule's forward and backward)", None)
+    if run.model.recurrent else (None, "model.recurrent=false: the Transformer rows have no position loop"),
 ))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from dataclasses import field
 from torch import Tensor
 from torch import nn
 from torch.nn import functional as F
@@ -15,10 +16,147 @@ from transformers import GenerationMixin
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 from typing import Any
+from typing import Callable
+from typing import Hashable
+from typing import Sequence
 import math
 import numpy as np
 import torch
 import transformers
+
+
+# ------------------------------ kernels/captured.py -----------------------------------------
+
+
+WARMUP = 2  # eager runs on a side stream before a capture
+
+
+@dataclass
+class Graph:
+    """One captured region: its static input buffers, a replay, and the static outputs it fills."""
+    inputs: list
+    outputs: list
+    replay: Callable[[], None]
+    bytes: int = 0  # device memory the capture took (static buffers and the pool's growth)
+
+
+class CudaGraphs:
+    """The real backend: torch.cuda.graph capture into one shared memory pool."""
+
+    def __init__(self):
+        self.pool = None
+
+    def available(self, device: torch.device) -> str | None:
+        """Why regions cannot be captured on `device`, or None."""
+        if device.type != "cuda":
+            return f"the {device.type.upper()} has no CUDA graphs"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        return None
+
+    def capture(self, fn: Callable, inputs: list) -> Graph:
+        before = torch.cuda.memory_allocated()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = _as_list(fn(*inputs))
+        return Graph(inputs, outputs, graph.replay, torch.cuda.memory_allocated() - before)
+
+
+@dataclass
+class _State:
+    mode: str = "off"
+    active: bool = False  # inside step(): a training forward and backward
+    log: Callable[[str], None] = print
+    backend: object = field(default_factory=CudaGraphs)
+    graphs: dict = field(default_factory=dict)  # (name, signature, grad, autocast) -> Graph
+    eager: dict = field(default_factory=dict)  # region name -> why it runs eagerly (said once)
+    said: set = field(default_factory=set)
+    replays: int = 0
+
+
+_state = _State()
+
+
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _signature(inputs: Sequence[Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+
+
+def _autocast_key(device_type: str) -> tuple:
+    on = torch.is_autocast_enabled(device_type)
+    return (on, torch.get_autocast_dtype(device_type) if on else None)
+
+
+def _say(text: str) -> None:
+    if text not in _state.said:
+        _state.said.add(text)
+        _state.log(text)
+
+
+def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) -> list:
+    """fn(*inputs) as a list of outputs: replayed from a CUDA graph inside a captured step on CUDA, run
+    as is elsewhere (see the module docstring)."""
+    inputs = list(inputs)
+    if not _state.active or not inputs or _capturing():  # a region inside another's capture is part of it
+        return _as_list(fn(*inputs))
+    group = name[0] if isinstance(name, tuple) else name
+    if group in _state.eager:
+        return _as_list(fn(*inputs))
+    device = inputs[0].device
+    why = _state.backend.available(device)
+    if why is not None:
+        _state.eager[group] = why
+        if _state.mode == "on":
+            raise RuntimeError(f"train.cuda_graphs=on cannot capture {group}: {why}")
+        _say(f"train.cuda_graphs: {group} runs eagerly ({why})")
+        return _as_list(fn(*inputs))
+    key = (name, _signature(inputs), torch.is_grad_enabled(), _autocast_key(device.type))
+    graph = _state.graphs.get(key)
+    if graph is None:
+        graph = _capture(group, fn, inputs, device)
+        if graph is None:
+            return _as_list(fn(*inputs))
+        _state.graphs[key] = graph
+    else:
+        for static, t in zip(graph.inputs, inputs):
+            if static.data_ptr() != t.data_ptr():
+                static.copy_(t)
+    graph.replay()
+    _state.replays += 1
+    return [o.clone() if o is not None else None for o in graph.outputs]
+
+
+def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
+    static = [t.detach().clone() for t in inputs]
+    on, dtype = _autocast_key(device.type)
+
+    def body(*xs):  # autocast as the caller has it, without the weight cache (see the module docstring)
+        with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if on else nullcontext():
+            return fn(*xs)
+
+    try:
+        return _state.backend.capture(body, static)
+    except Exception as e:  # an op that syncs or allocates on the host, a shape that changes inside
+        if _state.mode == "on":
+            raise RuntimeError(f"train.cuda_graphs=on: capturing {group} failed: {type(e).__name__}: {e}") from e
+        _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
+        return None
 
 
 # ------------------------------ kernels/delta_memory/reference.py ---------------------------
@@ -489,28 +627,57 @@ class _Segment(torch.autograd.Function):
     segment's inputs: its start state, its slice of G and the loop's matrices, which live anyway); the
     backward runs the segment again with a graph and differentiates it. One node per segment, not one
     per op and step: memory O(T/S + S) in the window (torch's non-reentrant checkpoint keeps a holder
-    per saved tensor of every step, O(T) however small, measured at about 50 KB per token)."""
+    per saved tensor of every step, O(T) however small, measured at about 50 KB per token).
+    Both bodies are functions of tensors run through kernels/captured.py: in a training step on a GPU
+    under train.cuda_graphs, one CUDA graph per body serves every segment of the window (the shorter last
+    segment, a truncation cut and a window with document resets get their own), replayed with the
+    segment's inputs copied in."""
 
     @staticmethod
     def forward(ctx, model, W: Folded, n_state: int, keep, cut: bool, *inputs):
-        state, G, flat = list(inputs[:n_state]), inputs[n_state], inputs[n_state + 1:]
-        with torch.no_grad():
-            sp, state = model._run(state, G, W.with_tensors(list(flat)), keep, cut)
+        def run(*xs):  # a captured region (kernels/captured.py): tensors in, tensors out
+            state, G, flat, keep_ = _split(xs, n_state, len(inputs), keep is not None)
+            with torch.no_grad():
+                sp, state = model._run(state, G, W.with_tensors(flat), keep_, cut)
+            return sp, *state
+
+        outs = region(("gpn segment forward", id(model), n_state, cut), run, _with_keep(inputs, keep))
         ctx.model, ctx.W, ctx.n_state, ctx.keep, ctx.cut = model, W, n_state, keep, cut
         ctx.save_for_backward(*inputs)
-        return sp, *state
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
-        n = ctx.n_state
-        with torch.enable_grad():
-            sp, state = ctx.model._run(inputs[:n], inputs[n], ctx.W.with_tensors(inputs[n + 1:]), ctx.keep, ctx.cut)
-        pairs = [(o, g) for o, g in zip([sp, *state], grads) if g is not None and o.requires_grad]
-        wanted = [t for t in inputs if t.requires_grad]
-        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
-                   if pairs and wanted else [None] * len(wanted))
-        return (None, None, None, None, None, *[next(got) if t.requires_grad else None for t in inputs])
+        need, n, W, model, cut, keep = ctx.needs_input_grad[5:], ctx.n_state, ctx.W, ctx.model, ctx.cut, ctx.keep
+        given = tuple(g is not None for g in grads)
+        saved = ctx.saved_tensors
+
+        def run(*xs):
+            state, G, flat, keep_ = _split(xs[:len(saved)] + xs[len(xs) - (keep is not None):], n, len(saved),
+                                           keep is not None)
+            gs = iter(xs[len(saved):len(saved) + sum(given)])
+            inputs = [t.detach().requires_grad_(wants) for t, wants in zip([*state, G, *flat], need)]
+            with torch.enable_grad():
+                sp, out = model._run(inputs[:n], inputs[n], W.with_tensors(inputs[n + 1:]), keep_, cut)
+            pairs = [(o, next(gs)) for o, has in zip([sp, *out], given) if has]
+            pairs = [(o, g) for o, g in pairs if o.requires_grad]
+            wanted = [t for t in inputs if t.requires_grad]
+            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                       if pairs and wanted else [None] * len(wanted))
+            return [next(got) if t.requires_grad else None for t in inputs]
+
+        grads_in = region(("gpn segment backward", id(model), n, cut, need, given), run,
+                                   _with_keep([*saved, *(g for g in grads if g is not None)], keep))
+        return (None, None, None, None, None, *grads_in)
+
+
+def _with_keep(tensors, keep) -> list[Tensor]:
+    return [*tensors, keep] if keep is not None else list(tensors)
+
+
+def _split(xs, n_state: int, n_inputs: int, has_keep: bool):
+    """A segment region's inputs [*state, G, *folded matrices, (keep)] as (state, G, matrices, keep)."""
+    return list(xs[:n_state]), xs[n_state], list(xs[n_state + 1:n_inputs]), xs[n_inputs] if has_keep else None
 
 
 class GPN(Whole, nn.Module):

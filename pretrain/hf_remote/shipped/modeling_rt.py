@@ -6,6 +6,7 @@ norm and recurrence ops on their PyTorch paths and the tensor-parallel layers in
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from dataclasses import field
 from dataclasses import replace
@@ -17,7 +18,9 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 from typing import Any
 from typing import Callable
+from typing import Hashable
 from typing import NamedTuple
+from typing import Sequence
 import math
 import numpy as np
 import torch
@@ -303,6 +306,140 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scal
                                           enable_gqa=gqa)
 
 
+# ------------------------------ kernels/captured.py -----------------------------------------
+
+
+WARMUP = 2  # eager runs on a side stream before a capture
+
+
+@dataclass
+class Graph:
+    """One captured region: its static input buffers, a replay, and the static outputs it fills."""
+    inputs: list
+    outputs: list
+    replay: Callable[[], None]
+    bytes: int = 0  # device memory the capture took (static buffers and the pool's growth)
+
+
+class CudaGraphs:
+    """The real backend: torch.cuda.graph capture into one shared memory pool."""
+
+    def __init__(self):
+        self.pool = None
+
+    def available(self, device: torch.device) -> str | None:
+        """Why regions cannot be captured on `device`, or None."""
+        if device.type != "cuda":
+            return f"the {device.type.upper()} has no CUDA graphs"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        return None
+
+    def capture(self, fn: Callable, inputs: list) -> Graph:
+        before = torch.cuda.memory_allocated()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = _as_list(fn(*inputs))
+        return Graph(inputs, outputs, graph.replay, torch.cuda.memory_allocated() - before)
+
+
+@dataclass
+class _State:
+    mode: str = "off"
+    active: bool = False  # inside step(): a training forward and backward
+    log: Callable[[str], None] = print
+    backend: object = field(default_factory=CudaGraphs)
+    graphs: dict = field(default_factory=dict)  # (name, signature, grad, autocast) -> Graph
+    eager: dict = field(default_factory=dict)  # region name -> why it runs eagerly (said once)
+    said: set = field(default_factory=set)
+    replays: int = 0
+
+
+_state = _State()
+
+
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _signature(inputs: Sequence[Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
+
+
+def _autocast_key(device_type: str) -> tuple:
+    on = torch.is_autocast_enabled(device_type)
+    return (on, torch.get_autocast_dtype(device_type) if on else None)
+
+
+def _say(text: str) -> None:
+    if text not in _state.said:
+        _state.said.add(text)
+        _state.log(text)
+
+
+def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) -> list:
+    """fn(*inputs) as a list of outputs: replayed from a CUDA graph inside a captured step on CUDA, run
+    as is elsewhere (see the module docstring)."""
+    inputs = list(inputs)
+    if not _state.active or not inputs or _capturing():  # a region inside another's capture is part of it
+        return _as_list(fn(*inputs))
+    group = name[0] if isinstance(name, tuple) else name
+    if group in _state.eager:
+        return _as_list(fn(*inputs))
+    device = inputs[0].device
+    why = _state.backend.available(device)
+    if why is not None:
+        _state.eager[group] = why
+        if _state.mode == "on":
+            raise RuntimeError(f"train.cuda_graphs=on cannot capture {group}: {why}")
+        _say(f"train.cuda_graphs: {group} runs eagerly ({why})")
+        return _as_list(fn(*inputs))
+    key = (name, _signature(inputs), torch.is_grad_enabled(), _autocast_key(device.type))
+    graph = _state.graphs.get(key)
+    if graph is None:
+        graph = _capture(group, fn, inputs, device)
+        if graph is None:
+            return _as_list(fn(*inputs))
+        _state.graphs[key] = graph
+    else:
+        for static, t in zip(graph.inputs, inputs):
+            if static.data_ptr() != t.data_ptr():
+                static.copy_(t)
+    graph.replay()
+    _state.replays += 1
+    return [o.clone() if o is not None else None for o in graph.outputs]
+
+
+def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
+    static = [t.detach().clone() for t in inputs]
+    on, dtype = _autocast_key(device.type)
+
+    def body(*xs):  # autocast as the caller has it, without the weight cache (see the module docstring)
+        with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if on else nullcontext():
+            return fn(*xs)
+
+    try:
+        return _state.backend.capture(body, static)
+    except Exception as e:  # an op that syncs or allocates on the host, a shape that changes inside
+        if _state.mode == "on":
+            raise RuntimeError(f"train.cuda_graphs=on: capturing {group} failed: {type(e).__name__}: {e}") from e
+        _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
+        return None
+
+
 # ------------------------------ kernels/norms/__init__.py -----------------------------------
 
 
@@ -480,8 +617,12 @@ class TiledPrefill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, layer, leaf, offset, ops, *params):
-        with torch.no_grad():
-            Z, _, _, lse = forward(x, layer, leaf, offset, ops=ops)
+        def run(x, *extra):  # a captured region (kernels/captured.py): tensors in, tensors out
+            with torch.no_grad():
+                Z, _, _, lse = forward(x, _bound(layer, extra), leaf, offset, ops=ops)
+            return Z, lse
+
+        Z, lse = _region("rt_prefill forward", layer, (leaf, offset, ops), run, [x])
         ctx.save_for_backward(x, Z, lse)
         ctx.layer, ctx.leaf, ctx.offset, ctx.n_params, ctx.ops = layer, leaf, offset, len(params), ops
         ctx.params = params
@@ -490,71 +631,97 @@ class TiledPrefill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gZ):
         x, Z, lse = ctx.saved_tensors
-        layer, leaf, offset, params = ctx.layer, ctx.leaf, ctx.offset, ctx.params
-        B, N, _ = x.shape
-        dtype = acc_dtype(x)
-        with torch.enable_grad():  # phase 0: the batched graphs phase 2 backpropagates through
-            xd, zd = x.detach().requires_grad_(), Z.detach().requires_grad_()
-            q, kt, vt = layer.pre(xd, offset)
-            K, V = layer.kv(zd, offset)
-        qs = q.detach().to(dtype) * layer.scale
-        Kd, Vd, ktd, vtd = K.detach(), V.detach(), kt.detach().to(dtype), vt.detach().to(dtype)
-        p_diag = torch.exp((qs * ktd).sum(-1) - lse)
-        A = p_diag[..., None] * vtd  # the attention outputs, rebuilt from the log-sum-exp
-        for t in range(N):
-            for a0, a1, k0, k1 in _pieces(N, leaf, t):
-                for a in range(a0, a1, BLOCK):
-                    b = slice(a, min(a + BLOCK, a1))
-                    p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
-                                  - lse[:, :, b, None])
-                    A[:, :, b] += p @ Vd[:, :, k0:k1].to(dtype)
-        A_in = A.to(x.dtype)
-        dK, dV = torch.zeros_like(A), torch.zeros_like(A)
-        dqs, G = torch.zeros_like(A), torch.zeros_like(A)
-        D = torch.zeros_like(lse)
-        gZ_total = torch.empty_like(gZ)
-        vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
-        for t in reversed(range(N)):  # phase 1
-            dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
-            if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
-                dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t) + gZ[:, t:t + 1]
-            else:
-                with torch.enable_grad():
-                    zt = Z[:, t:t + 1].detach().requires_grad_()
-                    dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
-            if vjp_post is not None:
-                g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz)
-            else:
-                with torch.enable_grad():
-                    at = A_in[:, :, t:t + 1].detach().requires_grad_()
-                    g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
-            gZ_total[:, t:t + 1] = dz
-            G[:, :, t:t + 1] = g.to(dtype)
-            D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
-            for a0, a1, k0, k1 in _pieces(N, leaf, t):
-                dq, dk, dv = ctx.ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
-                                        D[:, :, a0:a1], lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0)
-                dqs[:, :, a0:a1] += dq
-                dK[:, :, k0:k1] += dk
-                dV[:, :, k0:k1] += dv
-        ds_diag = p_diag * ((G * vtd).sum(-1) - D)  # phase 2: the temporary pairs, then the batched graphs
-        dqs += ds_diag[..., None] * ktd
-        d_kt = ds_diag[..., None] * qs
-        d_vt = p_diag[..., None] * G
-        with torch.enable_grad():
-            xp = x.detach().requires_grad_()
-            zp = layer.post(xp, A_in)
-        inputs = (xd, *params)
-        grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
-                                                              d_vt.to(vt.dtype)), allow_unused=True)
-        grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
-        grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
-        dx = grads_pre[0] + grads_post[0]
-        out = []
-        for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
-            parts = [g for g in (a, b, c) if g is not None]
-            out.append(sum(parts[1:], parts[0]) if parts else None)
-        return (dx, None, None, None, None, *out)
+        layer, leaf, offset, params, ops = ctx.layer, ctx.leaf, ctx.offset, ctx.params, ctx.ops
+
+        def run(x, Z, lse, gZ, *extra):
+            return _backward(_bound(layer, extra), leaf, offset, params, ops, x, Z, lse, gZ)
+
+        dx, *grads = _region("rt_prefill backward", layer, (leaf, offset, ops), run, [x, Z, lse, gZ])
+        return (dx, None, None, None, None, *grads)
+
+
+def _region(what: str, layer, key: tuple, run, inputs: list) -> list:
+    """run(*inputs, *the layer's own tensors) as a captured region (a CUDA graph in a training step on a
+    GPU under train.cuda_graphs) when the layer names itself (`region_key`: the same every step), else
+    as is."""
+    name = getattr(layer, "region_key", None)
+    if name is None:
+        return list(run(*inputs))
+    return region((what, name, *key), run, [*inputs, *layer.tensors()])
+
+
+def _bound(layer, extra):
+    """The layer reading the region's copies of its own tensors (RoPE tables), when it has any."""
+    return layer.with_tensors(list(extra)) if extra else layer
+
+
+def _backward(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: Tensor, lse: Tensor,
+              gZ: Tensor) -> list:
+    """TiledPrefill's backward as a function of tensors: [dx, *parameter gradients]."""
+    B, N, _ = x.shape
+    dtype = acc_dtype(x)
+    with torch.enable_grad():  # phase 0: the batched graphs phase 2 backpropagates through
+        xd, zd = x.detach().requires_grad_(), Z.detach().requires_grad_()
+        q, kt, vt = layer.pre(xd, offset)
+        K, V = layer.kv(zd, offset)
+    qs = q.detach().to(dtype) * layer.scale
+    Kd, Vd, ktd, vtd = K.detach(), V.detach(), kt.detach().to(dtype), vt.detach().to(dtype)
+    p_diag = torch.exp((qs * ktd).sum(-1) - lse)
+    A = p_diag[..., None] * vtd  # the attention outputs, rebuilt from the log-sum-exp
+    for t in range(N):
+        for a0, a1, k0, k1 in _pieces(N, leaf, t):
+            for a in range(a0, a1, BLOCK):
+                b = slice(a, min(a + BLOCK, a1))
+                p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
+                              - lse[:, :, b, None])
+                A[:, :, b] += p @ Vd[:, :, k0:k1].to(dtype)
+    A_in = A.to(x.dtype)
+    dK, dV = torch.zeros_like(A), torch.zeros_like(A)
+    dqs, G = torch.zeros_like(A), torch.zeros_like(A)
+    D = torch.zeros_like(lse)
+    gZ_total = torch.empty_like(gZ)
+    vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
+    for t in reversed(range(N)):  # phase 1
+        dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
+        if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
+            dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t) + gZ[:, t:t + 1]
+        else:
+            with torch.enable_grad():
+                zt = Z[:, t:t + 1].detach().requires_grad_()
+                dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
+        if vjp_post is not None:
+            g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz)
+        else:
+            with torch.enable_grad():
+                at = A_in[:, :, t:t + 1].detach().requires_grad_()
+                g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
+        gZ_total[:, t:t + 1] = dz
+        G[:, :, t:t + 1] = g.to(dtype)
+        D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
+        for a0, a1, k0, k1 in _pieces(N, leaf, t):
+            dq, dk, dv = ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
+                                    D[:, :, a0:a1], lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0)
+            dqs[:, :, a0:a1] += dq
+            dK[:, :, k0:k1] += dk
+            dV[:, :, k0:k1] += dv
+    ds_diag = p_diag * ((G * vtd).sum(-1) - D)  # phase 2: the temporary pairs, then the batched graphs
+    dqs += ds_diag[..., None] * ktd
+    d_kt = ds_diag[..., None] * qs
+    d_vt = p_diag[..., None] * G
+    with torch.enable_grad():
+        xp = x.detach().requires_grad_()
+        zp = layer.post(xp, A_in)
+    inputs = (xd, *params)
+    grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
+                                                          d_vt.to(vt.dtype)), allow_unused=True)
+    grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
+    grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
+    dx = grads_pre[0] + grads_post[0]
+    out = []
+    for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
+        parts = [g for g in (a, b, c) if g is not None]
+        out.append(sum(parts[1:], parts[0]) if parts else None)
+    return [dx, *out]
 
 
 def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0, ops: TileOps | None = None) -> Tensor:
@@ -1565,6 +1732,18 @@ class LayerView:
         self.scale = 1.0 / math.sqrt(attn.head_dim)
         self.slopes = attn.alibi.slopes if attn.positions == "alibi" else None
 
+    # A captured region (kernels/captured.py, through kernels/rt_prefill/tiled.py) knows the layer by its
+    # block, the same every step, and takes the RoPE tables, made per forward, as inputs.
+    @property
+    def region_key(self) -> int:
+        return id(self.block)
+
+    def tensors(self) -> list[Tensor]:
+        return list(self.rope) if self.rope is not None else []
+
+    def with_tensors(self, tables: list[Tensor]) -> "LayerView":
+        return LayerView(self.block, tuple(tables), self.base)
+
     def _tables(self, offset: int, n: int):
         if self.rope is None:
             return None
@@ -1668,6 +1847,16 @@ class RT(Decoder):
 
     def applications(self) -> list[nn.Module]:
         return list(self.blocks)
+
+    def compile(self, *args, **kwargs) -> None:
+        """torch.compile of everything but the RT layers (train.compile): tracing a layer unrolls its N positions
+        into one graph (d 64 at N = 32: 201 s to the first step on a CPU, against seconds for the rest; the issue's
+        RT-300M at N = 512 had not compiled after 80 s on an H100), so the layers run as written, or as CUDA
+        graphs under train.cuda_graphs, while the embedding, final norm, head and loss compile around them."""
+        if self.cfg.recurrent:
+            for block in self.blocks:
+                block.forward = torch.compiler.disable(block.forward, recursive=True)
+        super().compile(*args, **kwargs)
 
     def units(self) -> list[Unit]:
         """A layer each; an RT layer's position loop is a static region (units.Unit.static)."""

@@ -1,0 +1,229 @@
+"""Captured regions (kernels/captured.py, issue 37): RT's layers and GPN's segments as functions of
+tensors that a CUDA graph replays, checked on the CPU through the emulated backend, which keeps the
+real one's static input and output buffers, copies and per-signature graphs (only the replay is a
+recomputation instead of a graph launch). The graphed == eager check on a GPU carries the `gpu` marker."""
+import pytest
+import torch
+
+from kernels import captured
+from pretrain.config import ConfigError, load_config
+
+import test_gpn
+import test_rt
+
+
+@pytest.fixture
+def emulated():
+    backend = captured.Emulated()
+    captured.reset(backend)
+    yield backend
+    captured.reset(captured.CudaGraphs())
+
+
+def _loss_and_grads(model, batch, mode):
+    model.zero_grad()
+    with captured.step(mode, log=lambda *_: None):
+        loss, _ = model(batch)
+        loss.backward()
+    return loss.detach(), [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+
+
+def _assert_same(a, b, tol=1e-12):
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=tol)
+    for x, y in zip(a[1], b[1]):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=0, atol=tol)
+
+
+# -- the regions equal the plain loops (fp64, forward and every gradient) -------------------------------
+@pytest.mark.parametrize("kw", [dict(segment=5), dict(segment=4, tbptt=6), dict(segment=7, n_layers=2),
+                                dict(segment=5, reset_at_documents=True), dict(segment=5, mem_heads=0, n_layers=1)],
+                         ids=["segments", "tbptt", "two-layers", "doc-resets", "bare"])
+def test_gpn_segments_as_regions_equal_the_plain_loop(emulated, kw):
+    docs = torch.tensor([[0] * 9 + [1] * 13, [0] * 22]).numpy() if kw.get("reset_at_documents") else None
+    batch = test_gpn.batch_of(docs=docs)
+    model = test_gpn.model_of(**kw)
+    model.segment_recompute = True
+    eager = _loss_and_grads(model, batch, "off")
+    assert emulated.captures == 0
+    graphed = _loss_and_grads(model, batch, "on")
+    _assert_same(graphed, eager)
+    # T = 21 by segments of S: the full ones share one graph per body, the shorter last one (and a cut) its own
+    assert emulated.captures >= 2
+    again = emulated.captures
+    _assert_same(_loss_and_grads(model, batch, "on"), eager)
+    assert emulated.captures == again, "a second step captured again instead of replaying"
+
+
+@pytest.mark.parametrize("positions,leaf", [("alibi", 1), ("rope", 1), ("rope", 4)])
+def test_rt_layers_as_regions_equal_the_plain_loop(emulated, positions, leaf):
+    model = test_rt.model_of(positions=positions, leaf_block=leaf)
+    tokens = torch.randint(0, test_rt.V, (2, 19), generator=torch.Generator().manual_seed(0))
+    from pretrain.data.batch import collate
+
+    batch = collate((tokens.numpy(), tokens.numpy() * 0), eod_id=None)
+    eager = _loss_and_grads(model, batch, "off")
+    graphed = _loss_and_grads(model, batch, "on")
+    _assert_same(graphed, eager)
+    assert emulated.captures == 2 * model.cfg.n_layers  # a forward and a backward graph per layer
+    _loss_and_grads(model, batch, "on")
+    assert emulated.captures == 2 * model.cfg.n_layers
+    assert "rt_prefill forward 2 graphs" in captured.summary()
+
+
+def test_a_region_copies_inputs_in_and_outputs_out_and_recaptures_per_shape(emulated):
+    calls = []
+
+    def fn(x, w):
+        calls.append(1)
+        return x * w, None
+
+    w = torch.tensor(2.0)
+    with captured.step("on", log=lambda *_: None):
+        first, none = captured.region("double", fn, [torch.ones(3), w])
+        second, _ = captured.region("double", fn, [torch.full((3,), 5.0), w])
+        assert none is None
+        assert emulated.captures == 1
+        assert first.tolist() == [2.0] * 3, "a replay overwrote an earlier result: outputs must be copies"
+        assert second.tolist() == [10.0] * 3
+        captured.region("double", fn, [torch.ones(4), w])  # a new shape: a new graph
+        assert emulated.captures == 2
+        with torch.no_grad():  # grad mode is part of the key too
+            captured.region("double", fn, [torch.ones(4), w])
+        assert emulated.captures == 3
+    # outside a captured step (evaluation) the function just runs
+    n = len(calls)
+    captured.region("double", fn, [torch.ones(6), w])
+    assert emulated.captures == 3 and len(calls) == n + 1
+
+
+def test_a_failed_capture_is_said_once_and_runs_eagerly_or_stands_when_forced(emulated):
+    def refuse(fn, inputs):  # what torch.cuda.graph raises on an op that syncs
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    emulated.capture = refuse
+    lines = []
+    with captured.step("auto", log=lines.append):
+        for _ in range(5):
+            out = captured.region(("loop", 1), lambda x: x + 1, [torch.zeros(3)])
+            assert out[0].tolist() == [1.0] * 3
+    assert len(lines) == 1 and "loop runs eagerly from now on" in lines[0] and "not permitted" in lines[0]
+    captured.reset(emulated)
+    with captured.step("on", log=lines.append), pytest.raises(RuntimeError, match="cuda_graphs=on: capturing loop"):
+        captured.region(("loop", 1), lambda x: x + 1, [torch.zeros(3)])
+
+
+# -- the run: a line once, a forced capture refused before any work ----------------------------------------
+def test_check_says_what_runs_and_refuses_a_forced_capture_that_cannot_run():
+    captured.reset(captured.CudaGraphs())
+    cpu = torch.device("cpu")
+    what = "RT's per-layer position loops"
+    assert captured.check("off", cpu, None) == (None, False)
+    assert captured.check("on", cpu, None) == (None, False)  # no loops (the config refuses "on" there)
+    line, active = captured.check("auto", cpu, what)
+    assert not active and line == f"train.cuda_graphs=auto: the CPU has no CUDA graphs, so {what} run eagerly"
+    with pytest.raises(ValueError, match="train.cuda_graphs=on cannot capture: the CPU has no CUDA graphs"):
+        captured.check("on", cpu, what)
+    with pytest.raises(ValueError, match="cuda_graphs must be one of auto, on, off"):
+        captured.check("always", cpu, what)
+    line, active = captured.check("auto", cpu, None, "parallel.recompute=none differentiates the window")
+    assert not active and "nothing to capture (parallel.recompute=none" in line
+
+
+@pytest.mark.parametrize("arch,over,match", [
+    ("baseline/tiny", [], "declares no loop to capture"),
+    ("gpn/tiny", ["parallel.recompute=none"], "parallel.recompute=none differentiates the window"),
+    ("rt/tiny", ["model.recurrent=false"], "the Transformer rows have no position loop"),
+    ("rt/tiny", ["parallel.pp=2", "train.compile=false"], "pipeline stages"),
+])
+def test_config_refuses_a_forced_capture_that_captures_nothing(arch, over, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(arch, ["train.cuda_graphs=on", *over])
+
+
+def test_config_field_is_checked():
+    with pytest.raises(ConfigError, match="train.cuda_graphs must be one of auto, on, off"):
+        load_config("rt/tiny", ["train.cuda_graphs=always"])
+
+
+def _run(tmp_path, arch, mode, steps=4, lines=None):
+    from pretrain.metrics import read_metrics
+    from pretrain.trainer import Trainer
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov", num_docs=60)
+    over = tiny_overrides(tmp_path / mode, corpus, arch=arch.split("/")[0], **{
+        "train.max_steps": steps, "train.eval_every": 0, "checkpoint.every": 0, "train.compile": "false",
+        "train.cuda_graphs": mode, "train.micro_batch_seqs": 4, "train.global_batch_seqs": 8})
+    log = lines.append if lines is not None else (lambda *_: None)
+    Trainer(load_config(arch, over), log=log).fit()
+    return [r["loss"] for r in read_metrics(str(tmp_path / mode / "run")) if "loss" in r]
+
+
+def test_auto_on_a_cpu_trains_eagerly_and_says_so_once_per_run(tmp_path):
+    lines = []
+    _run(tmp_path, "rt/tiny", "auto", lines=lines)
+    said = [line for line in lines if "cuda_graphs" in line]
+    assert said == ["train.cuda_graphs=auto: the CPU has no CUDA graphs, so RT's per-layer position loops (the tile "
+                    "schedule's forward and backward) run eagerly"], said
+
+
+def test_forced_capture_on_a_cpu_is_one_sentence_before_any_work(tmp_path):
+    from pretrain.trainer import Trainer
+    from trainer_helpers import tiny_overrides, write_markov_corpus
+
+    corpus = write_markov_corpus(tmp_path / "markov", num_docs=20)
+    over = tiny_overrides(tmp_path, corpus, arch="rt", **{"train.cuda_graphs": "on"})
+    with pytest.raises(ValueError, match=r"^train.cuda_graphs=on cannot capture: the CPU has no CUDA graphs; use"):
+        Trainer(load_config("rt/tiny", over), log=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("arch", ["rt/tiny", "gpn/tiny"])
+def test_training_through_the_emulated_graphs_gives_the_eager_losses(tmp_path, emulated, arch):
+    """Several optimizer steps and two micro batches a step: the replays read the parameters the optimizer
+    updated in place, and the losses are the eager run's."""
+    lines = []
+    graphed = _run(tmp_path, arch, "on", lines=lines)
+    assert emulated.captures > 0
+    assert any("are captured as CUDA graphs" in line for line in lines)
+    assert any(line.startswith("kernels: ") and "captured: " in line for line in lines)
+    eager = _run(tmp_path, arch, "off")
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=1e-6, atol=1e-6)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to capture CUDA graphs")
+@pytest.mark.parametrize("arch", ["rt", "gpn"])
+def test_graphed_equals_eager_on_cuda_in_bf16_and_recaptures_on_a_new_shape(arch):
+    captured.reset(captured.CudaGraphs())
+    if arch == "rt":
+        model = test_rt.model_of(dtype=torch.float32, d_model=64, n_heads=4).cuda()
+        T = 33
+    else:
+        model = test_gpn.model_of(dtype=torch.float32, segment=6).cuda()
+        model.segment_recompute = True
+        T = 21
+    from pretrain.data.batch import collate
+
+    def batch(B):
+        tokens = torch.randint(0, 60, (B, T + 1), generator=torch.Generator().manual_seed(B)).numpy()
+        return collate((tokens, tokens * 0), eod_id=None).to(torch.device("cuda"))
+
+    def run(mode, b):
+        with torch.autocast("cuda", torch.bfloat16):
+            return _loss_and_grads(model, b, mode)
+
+    for B in (2, 3):  # the second batch size is a new shape: captured again
+        b = batch(B)
+        eager = run("off", b)
+        for _ in range(2):
+            graphed = run("on", b)
+        torch.testing.assert_close(graphed[0], eager[0], rtol=2e-2, atol=2e-2)
+        for x, y in zip(graphed[1], eager[1]):
+            if x is not None:
+                torch.testing.assert_close(x, y, rtol=5e-2, atol=5e-2)
+    assert captured.summary().count("graphs") >= 2, captured.summary()
+    captured.reset()
