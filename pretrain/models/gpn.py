@@ -543,8 +543,11 @@ def bptt_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none"
 def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
     """The planner's peak (its registry `activation_bytes`): BPTT's bytes and the tied head's, which keeps
     the fp32 logits and adds their gradient and softmax in the backward (3 V numbers per position),
-    within 15% of tests/test_plan.py's measured peak."""
-    return bptt_bytes(cfg, seq_len, batch, recompute) + 4 * batch * seq_len * 3 * cfg.vocab_size
+    within 15% of tests/test_plan.py's measured peak; under model.loss_chunk, one chunk's (the paper
+    configs': without it, 128 windows of 2,048 would need 94 GiB for the head alone)."""
+    positions = batch * seq_len
+    head = 3 * cfg.vocab_size * (min(cfg.loss_chunk, positions) if cfg.loss_chunk else positions)
+    return bptt_bytes(cfg, seq_len, batch, recompute) + 4 * head
 
 
 def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:
