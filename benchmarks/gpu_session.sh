@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, prepared (GPU time comes in ~15-minute windows, each machine start
 # costing 1-2 of them): the suite's part $1 (default transformer), a torch.profiler capture of
-# baseline/s without masks (serial: of RT with graphs; PROFILE_ROW picks another), and the gpu-marked tests. About 9 minutes; each stage has its own timeout,
+# baseline/s without masks (serial: of RT with graphs, PROFILE_ROW picks another, and bench_rt_layer.py's
+# per-layer table), and the gpu-marked tests. About 9 minutes; each stage has its own timeout,
 # so one slow stage cannot take the rest. Results go to $OUT (default ./gpu_out) as at most 8 files:
 # suite.log, suite_<part>.md/.json, profile_*.txt, gpu_tests.log, logs.tgz (every run's log).
 #     bash benchmarks/gpu_session.sh transformer      # run the suite before and after a change
@@ -20,6 +21,10 @@ cp /tmp/suite/suite_"$PART".* "$OUT"/ 2>/dev/null
 timeout "${PROFILE_S:-100}" python3 benchmarks/gpu_suite.py --part $PPART --out /tmp/prof --profile-only ${DRY:+--dry-run} \
   --profile "$ROW" > /tmp/prof.log 2>&1; echo "profile: rc $?"
 cp /tmp/prof/profile_*.txt "$OUT"/ 2>/dev/null
+if [ "$PART" = serial ]; then  # one RT layer against the batch, eager and graphed, beside spec-003 §3.7's table
+  timeout "${LAYER_S:-150}" python3 benchmarks/bench_rt_layer.py ${DRY:+--dry-run} > "$OUT/rt_layer.md" 2>&1
+  echo "rt layer: rc $?"
+fi
 timeout "${TESTS_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_ops.py \
   tests/test_gpu_compile.py tests/test_phase_timer.py tests/test_captured.py > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests: rc $?"
 # the Triton kernels' tests run on CUDA when Triton's interpreter is off (it is, with a GPU: tests/conftest.py)

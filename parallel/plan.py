@@ -104,11 +104,14 @@ RT_LAYER_FORWARD_MS = {512: 81.73, 1024: 134.09, 2048: 240.83}  # with CUDA grap
 RT_TABLE_SHAPE = dict(d=1024, f=4096, T=512)
 
 
-def fit_serial_constants(hw_name: str = "h100") -> tuple[float, float]:
-    """(seconds per serial step, kappa: the serial FLOPs' efficiency relative to eta) from the table above,
-    by least squares; f_serial = 6 d^2 + 4 d f + 2 d T (rt.serial_loop's forward part), f_batched = 6 d^2."""
-    d, f, T = RT_TABLE_SHAPE["d"], RT_TABLE_SHAPE["f"], RT_TABLE_SHAPE["T"]
-    xs, ys = list(RT_LAYER_FORWARD_MS), [ms / 1e3 for ms in RT_LAYER_FORWARD_MS.values()]
+def fit_serial_constants(hw_name: str = "h100", table: dict[int, float] | None = None,
+                         shape: dict | None = None) -> tuple[float, float]:
+    """(seconds per serial step, kappa: the serial FLOPs' efficiency relative to eta) from a table of
+    {batch: per-layer forward ms} (default the paper's above; benchmarks/bench_rt_layer.py refits from its
+    own), by least squares; f_serial = 6 d^2 + 4 d f + 2 d T (rt.serial_loop's forward part), f_batched = 6 d^2."""
+    table, shape = table or RT_LAYER_FORWARD_MS, shape or RT_TABLE_SHAPE
+    d, f, T = shape["d"], shape["f"], shape["T"]
+    xs, ys = list(table), [ms / 1e3 for ms in table.values()]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)  # seconds per sequence
     intercept = my - slope * mx

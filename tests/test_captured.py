@@ -227,3 +227,18 @@ def test_graphed_equals_eager_on_cuda_in_bf16_and_recaptures_on_a_new_shape(arch
                 torch.testing.assert_close(x, y, rtol=5e-2, atol=5e-2)
     assert captured.summary().count("graphs") >= 2, captured.summary()
     captured.reset()
+
+
+def test_the_rt_layer_benchmark_runs_its_table_on_a_cpu():
+    """benchmarks/bench_rt_layer.py --dry-run: the GPU session's per-layer table (spec-003 §3.7's shape) at
+    tiny shapes through the emulated graph backend."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/bench_rt_layer.py"), "--dry-run", "--reps", "1"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "| ours, CUDA graphs, fwd+bwd |" in proc.stdout
+    assert "captured: rt_prefill forward 2 graphs, rt_prefill backward 2 graphs" in proc.stdout

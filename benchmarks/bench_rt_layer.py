@@ -1,0 +1,133 @@
+"""One RT layer's training forward (and forward + backward) against the batch, eager and as CUDA graphs:
+the shape of spec-003 §3.7's table (d 1024, 16 heads, N 512; rt/150m-12l's layer), beside it, and the
+planner's serial-loop constants refitted from the graphed forward (issue 37).
+
+    python benchmarks/bench_rt_layer.py                          # on a GPU: batch 32 ... 2048, bf16
+    python benchmarks/bench_rt_layer.py --batches 32,512 --tile triton
+    python benchmarks/bench_rt_layer.py --dry-run                # CPU: tiny shapes, the emulated graph backend
+
+The layer is RT(RTConfig(d_model, n_heads, n_layers=1, ALiBi)).blocks[0], through the op every model calls
+(kernels/rt_prefill: the `tiled` path, or `triton` with --tile triton), input x [B, N, d] requiring grad,
+under bf16 autocast on a GPU (fp32 on a CPU). "graphs" runs it inside captured.step("on"), so the tiled
+forward and backward are replayed CUDA graphs (kernels/captured.py); the first call of each batch size
+captures and is not timed. Each figure is the median of --reps calls after --warmup, the device synced
+around each. The planner's constants (parallel/plan.py: seconds per serial step, kappa) are fitted to the
+graphed forward at batches >= 512, as they were to the paper's table, and printed beside today's.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC_MS = {  # spec-003 §3.7 (the paper's tab:cudagraph), H100: batch -> (without, with CUDA graphs) ms per layer forward
+    32: (277.08, 38.85), 64: (279.23, 42.28), 128: (279.42, 48.95), 256: (276.05, 61.39), 512: (277.33, 81.73),
+    1024: (275.49, 134.09), 2048: (293.70, 240.83)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="32,64,128,256,512,1024,2048", help="comma-separated batch sizes")
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=512, help="N, positions per sequence")
+    p.add_argument("--tile", choices=["tiled", "triton"], default="tiled", help="the rt_prefill path")
+    p.add_argument("--leaf", type=int, default=1, help="the tile schedule's leaf block (1: the paper's)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-backward", action="store_true", help="time the forward only")
+    p.add_argument("--dry-run", action="store_true", help="CPU, d 32, 4 heads, N 16, batches 2,4: the machinery only")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from kernels import captured
+    from kernels.registry import describe_paths_used
+    from kernels.rt_prefill import OP, rt_prefill
+    from parallel.plan import RT_TABLE_SHAPE, SERIAL_KAPPA, SERIAL_STEP_S, fit_serial_constants
+    from pretrain.models.rt import RT, LayerView, RTConfig
+
+    if args.dry_run:
+        args.d_model, args.heads, args.seq, args.batches = 32, 4, 16, "2,4"
+        captured.reset(captured.Emulated())
+    elif not torch.cuda.is_available():
+        p.error("needs a CUDA device (or --dry-run on a CPU)")
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    cfg = RTConfig(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=1, max_seq_len=args.seq,
+                   leaf_block=args.leaf)
+    torch.manual_seed(0)
+    block = RT(cfg).blocks[0].to(device)
+    view = LayerView(block, None, 0)
+    amp = nullcontext() if args.dry_run else torch.autocast("cuda", torch.bfloat16)
+    OP.force(args.tile if args.tile != "tiled" else None, "bench_rt_layer --tile")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def call(x, backward):
+        with amp:
+            z = rt_prefill(x, view, args.leaf)
+        if backward:
+            z.backward(torch.ones_like(z))
+        return z
+
+    def timed(B, mode, backward) -> float:
+        x = torch.randn(B, args.seq, args.d_model, device=device, requires_grad=True)
+        with captured.step(mode, log=lambda line: print("   ", line)):
+            call(x, backward)  # the first call captures (graphs) and compiles Triton (triton)
+            for _ in range(args.warmup):
+                call(x, backward)
+            times = []
+            for _ in range(args.reps):
+                sync()
+                t0 = time.perf_counter()
+                call(x, backward)
+                sync()
+                times.append(time.perf_counter() - t0)
+        block.zero_grad(set_to_none=True)
+        return 1e3 * statistics.median(times)
+
+    phases = [False] if args.no_backward else [False, True]
+    rows = {}
+    for B in batches:
+        for mode in ("off", "on"):
+            for backward in phases:
+                try:
+                    rows[(B, mode, backward)] = timed(B, mode, backward)
+                except torch.OutOfMemoryError:
+                    rows[(B, mode, backward)] = None
+                    torch.cuda.empty_cache()
+        print(f"batch {B}: " + ", ".join(f"{'graphs' if m == 'on' else 'eager'} {'fwd+bwd' if b else 'fwd'} "
+                                        f"{rows[(B, m, b)]:.2f} ms" if rows[(B, m, b)] is not None else "OOM"
+                                        for m in ("off", "on") for b in phases), flush=True)
+    what = f"d {args.d_model}, {args.heads} heads, N {args.seq}, leaf {args.leaf}, {args.tile} tile"
+    dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
+    print(f"\n### One RT layer's forward, ms ({what}; {dev}, torch {torch.__version__})\n")
+    cell = lambda v: f"{v:.2f}" if v is not None else "OOM"  # noqa: E731
+    print("| batch | " + " | ".join(str(b) for b in batches) + " |")
+    print("|---|" + "---|" * len(batches))
+    if (args.d_model, args.heads, args.seq) == (1024, 16, 512):
+        print("| paper, without CUDA graphs | " + " | ".join(f"{SPEC_MS[b][0]:.2f}" if b in SPEC_MS else "—"
+                                                          for b in batches) + " |")
+        print("| paper, with CUDA graphs | " + " | ".join(f"{SPEC_MS[b][1]:.2f}" if b in SPEC_MS else "—"
+                                                       for b in batches) + " |")
+    for mode, name in (("off", "eager"), ("on", "CUDA graphs")):
+        for backward in phases:
+            print(f"| ours, {name}{', fwd+bwd' if backward else ''} | "
+                  + " | ".join(cell(rows[(b, mode, backward)]) for b in batches) + " |")
+    print(f"\n{captured.summary() or 'nothing captured'}; paths: {describe_paths_used()}")
+    fit = {b: rows[(b, "on", False)] for b in batches if b >= 512 and rows[(b, "on", False)] is not None}
+    if len(fit) >= 2 and not args.dry_run:
+        shape = dict(d=args.d_model, f=4 * args.d_model, T=args.seq)
+        step_s, kappa = fit_serial_constants("h100", fit, shape)
+        print(f"\nplanner constants refitted from the graphed forward at batches {sorted(fit)}: "
+              f"step {step_s * 1e6:.1f} us, kappa {kappa:.3f} (today's, from the paper's table at "
+              f"{RT_TABLE_SHAPE}: {SERIAL_STEP_S * 1e6:.1f} us, {SERIAL_KAPPA:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
