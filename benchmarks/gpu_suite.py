@@ -56,6 +56,7 @@ class Row:
     compile: bool = True  # False: eager although the config compiles (the note says why)
     note: str = ""
     hf: bool = False  # Hugging Face Llama at this row's shape, same batch, run right after it
+    env: dict = field(default_factory=dict)  # environment of the run (a forced kernel path); not in a dry run
 
 
 NOMASK = ["model.document_mask=false"]
@@ -75,6 +76,8 @@ PARTS = {
         Row("rt/300m-12l", "rt/300m-12l", GRAPHS_OFF, micro=64, note="micro batch 64 of the recipe's 512"),
         Row("rt/300m-12l graphs", "rt/300m-12l", GRAPHS, micro=64, note="each layer's loop a CUDA graph (issue 37)"),
         Row("rt/300m-12l graphs b512", "rt/300m-12l", GRAPHS, micro=512, note="the paper's 512 x 512 tokens a step"),
+        Row("rt/300m-12l graphs b512 triton", "rt/300m-12l", GRAPHS, micro=512, env={"PRETRAIN_KERNELS": "rt_prefill=triton"},
+            note="the Triton tile (forced): automatic where it beats the PyTorch tile (issue 37)"),
         Row("rt/t-300m-12l", "rt/t-300m-12l", micro=32),
         Row("gpn/gpn-m-130m", "gpn/gpn-m-130m", GRAPHS_OFF, micro=8),
         Row("gpn/gpn-m-130m graphs", "gpn/gpn-m-130m", GRAPHS, micro=8, note="each segment body a CUDA graph"),
@@ -185,7 +188,7 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
     # dry run ends by itself, so the whole path is exercised on the CPU.
     ended, rc, log, result["wall_s"] = run_capped(
         [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], args.cap, out / f"log_{run_dir.name}.txt",
-        stop=lambda: not args.dry_run and last_step(metrics) >= steps)
+        stop=lambda: not args.dry_run and last_step(metrics) >= steps, env=None if args.dry_run else row.env)
     result.update(read_metrics(metrics, args.warmup, micro * seq_len))
     if ended == "stop":
         result["status"] = "ok"
@@ -408,6 +411,8 @@ def ratios(results: list[dict]) -> list[str]:
     for graphed, eager in (("rt/300m-12l graphs", "rt/300m-12l"), ("gpn/gpn-m-130m graphs", "gpn/gpn-m-130m")):
         if graphed in by and eager in by:
             out.append(f"- {graphed} / eager, same batch: {per_token(eager) / per_token(graphed):.2f}x")
+    if "rt/300m-12l graphs b512 triton" in by and "rt/300m-12l graphs b512" in by:
+        out.append(f"- RT Triton tile / PyTorch tile tokens/s: {by['rt/300m-12l graphs b512 triton']['tokens_per_s'] / by['rt/300m-12l graphs b512']['tokens_per_s']:.2f}x")
     if "rt/300m-12l graphs b512" in by and "rt/t-300m-12l" in by:
         out.append(f"- RT / Transformer time per token: {per_token('rt/300m-12l graphs b512') / per_token('rt/t-300m-12l'):.2f}x "
                    "(the paper's 3.1x; aim below 3x)")
