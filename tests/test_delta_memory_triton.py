@@ -166,3 +166,19 @@ def test_a_tiny_gpn_m_trains_alike_on_the_triton_step():
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_measured_choice_keys_cuda_calls_only_and_builds_valid_stand_ins():
+    """On CUDA the step's first call per shape times both paths (kernels/registry.py's measured choice); a
+    CPU call has no key, so it keeps the static priority. The stand-ins are valid memory-step inputs."""
+    from kernels.delta_memory import STEP, _step_inputs, _step_key
+
+    assert STEP.measured is not None
+    assert _step_key(*[a.cpu() for a in inputs(2, 3, 5, 7)]) is None
+    (M, k, v, beta, alpha, q), kwargs = _step_inputs((2, 3, 5, 7, torch.float32, torch.bfloat16, True, "cpu"))
+    assert not kwargs and M.shape == (2, 3, 5, 7) and M.dtype == torch.float32 and k.dtype == torch.bfloat16
+    assert all(t.requires_grad for t in (M, k, v, beta, alpha, q))
+    torch.testing.assert_close(k.float().norm(dim=-1), torch.ones(2, 3), atol=1e-2, rtol=0)
+    assert 0 < beta.min() and beta.max() < 1 and 0 < alpha.min() and alpha.max() < 1
+    out, read = reference.step(M, k.float(), v.float(), beta.float(), alpha.float(), q.float())
+    assert out.shape == M.shape and read.shape == (2, 3, 7)

@@ -68,6 +68,32 @@ def _triton_refusal(M, k, v, beta, alpha, q):
 
 STEP.register("triton", _triton_step, priority=10, refusal=_triton_refusal)
 STEP.register("reference", reference.step)
+
+
+def _step_key(M, k, v, beta, alpha, q):
+    """Calls that share a measured choice: CUDA only (a CPU keeps the static priority, so no CPU test or
+    golden curve moves); the shape, the dtypes and whether a backward follows. Python values only."""
+    if M.device.type != "cuda":
+        return None
+    grad = any(t.requires_grad for t in (M, k, v, beta, alpha, q))
+    return (*M.shape, M.dtype, k.dtype, grad, str(M.device))
+
+
+def _step_inputs(key):
+    """Fresh synthetic inputs of a key's shape (never the caller's): a unit key, beta and alpha in (0, 1)."""
+    B, H, dk, dv, state, dtype, grad, device = key
+    g = torch.Generator(device=device).manual_seed(0)
+    make = lambda *shape, dt=dtype: torch.randn(*shape, generator=g, device=device, dtype=dt)  # noqa: E731
+    k = torch.nn.functional.normalize(make(B, H, dk, dt=torch.float32), dim=-1).to(dtype)
+    args = [make(B, H, dk, dv, dt=state), k, make(B, H, dv), torch.rand(B, H, generator=g, device=device, dtype=dtype),
+            torch.rand(B, H, generator=g, device=device, dtype=dtype), make(B, H, dk)]
+    return [t.requires_grad_(grad) for t in args], {}
+
+
+# on CUDA the first call of each shape times both paths' forward + backward and keeps the faster (the
+# Triton step's gain depends on B x H against the GPU's SMs and on d_v's blocks: measured, not assumed)
+STEP.measure_with(registry.Measured(_step_key, _step_inputs,
+                                    describe=lambda key: "B {} H {} d_k {} d_v {} {}".format(*key[:4], str(key[5])[6:])))
 READ = registry.op("delta_memory_read")
 READ.register("reference", reference.read)
 
