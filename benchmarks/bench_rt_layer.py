@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     from kernels.rt_prefill import OP, rt_prefill
     from parallel.plan import RT_TABLE_SHAPE, SERIAL_KAPPA, SERIAL_STEP_S, fit_serial_constants
     from pretrain.models.rt import RT, LayerView, RTConfig
+    from pretrain.oom import is_out_of_memory
 
     if args.dry_run:
         args.d_model, args.heads, args.seq, args.batches = 32, 4, 16, "2,4"
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
         return z
 
     def timed(B, mode, backward) -> float:
+        captured.reset()  # one batch size's graphs and buffers at a time
         x = torch.randn(B, args.seq, args.d_model, device=device, requires_grad=True)
         with captured.step(mode, log=lambda line: print("   ", line)):
             call(x, backward)  # the first call captures (graphs) and compiles Triton (triton)
@@ -88,17 +90,22 @@ def main(argv=None) -> int:
                 sync()
                 times.append(time.perf_counter() - t0)
         block.zero_grad(set_to_none=True)
+        if mode == "on":
+            held[B] = captured.summary()
         return 1e3 * statistics.median(times)
 
     phases = [False] if args.no_backward else [False, True]
-    rows = {}
+    rows, held = {}, {}  # held: what the graphs of each batch size hold (captured.summary)
     for B in batches:
         for mode in ("off", "on"):
             for backward in phases:
                 try:
                     rows[(B, mode, backward)] = timed(B, mode, backward)
-                except torch.OutOfMemoryError:
+                except Exception as e:  # noqa: BLE001 - out of memory (raw, or as a failed capture) ends a column
+                    if not is_out_of_memory(e):
+                        raise
                     rows[(B, mode, backward)] = None
+                    captured.reset()
                     torch.cuda.empty_cache()
         print(f"batch {B}: " + ", ".join(f"{'graphs' if m == 'on' else 'eager'} {'fwd+bwd' if b else 'fwd'} "
                                         f"{rows[(B, m, b)]:.2f} ms" if rows[(B, m, b)] is not None else "OOM"
@@ -118,7 +125,7 @@ def main(argv=None) -> int:
         for backward in phases:
             print(f"| ours, {name}{', fwd+bwd' if backward else ''} | "
                   + " | ".join(cell(rows[(b, mode, backward)]) for b in batches) + " |")
-    print(f"\n{captured.summary() or 'nothing captured'}; paths: {describe_paths_used()}")
+    print("\n" + "\n".join(f"- batch {b}: {text}" for b, text in held.items()) + f"\n- paths: {describe_paths_used()}")
     fit = {b: rows[(b, "on", False)] for b in batches if b >= 512 and rows[(b, "on", False)] is not None}
     if len(fit) >= 2 and not args.dry_run:
         shape = dict(d=args.d_model, f=4 * args.d_model, T=args.seq)

@@ -153,6 +153,7 @@ class TiledPrefill(torch.autograd.Function):
         Z, lse = _region("rt_prefill forward", layer, (leaf, offset, ops), run, [x])
         ctx.save_for_backward(x, Z, lse)
         ctx.layer, ctx.leaf, ctx.offset, ctx.n_params, ctx.ops = layer, leaf, offset, len(params), ops
+        ctx.autocast = captured.autocast_state(x.device)  # the backward recomputes in the forward's precision
         ctx.params = params
         return Z
 
@@ -164,7 +165,8 @@ class TiledPrefill(torch.autograd.Function):
         def run(x, Z, lse, gZ, *extra):
             return _backward(_bound(layer, extra), leaf, offset, params, ops, x, Z, lse, gZ)
 
-        dx, *grads = _region("rt_prefill backward", layer, (leaf, offset, ops), run, [x, Z, lse, gZ])
+        with captured.autocast_as(x.device, ctx.autocast):
+            dx, *grads = _region("rt_prefill backward", layer, (leaf, offset, ops), run, [x, Z, lse, gZ])
         return (dx, None, None, None, None, *grads)
 
 

@@ -239,6 +239,7 @@ class _Segment(torch.autograd.Function):
 
         outs = captured.region(("gpn segment forward", id(model), n_state, cut), run, _with_keep(inputs, keep))
         ctx.model, ctx.W, ctx.n_state, ctx.keep, ctx.cut = model, W, n_state, keep, cut
+        ctx.autocast = captured.autocast_state(inputs[n_state].device)  # recomputed in the forward's precision
         ctx.save_for_backward(*inputs)
         return tuple(outs)
 
@@ -262,8 +263,9 @@ class _Segment(torch.autograd.Function):
                        if pairs and wanted else [None] * len(wanted))
             return [next(got) if t.requires_grad else None for t in inputs]
 
-        grads_in = captured.region(("gpn segment backward", id(model), n, cut, need, given), run,
-                                   _with_keep([*saved, *(g for g in grads if g is not None)], keep))
+        with captured.autocast_as(saved[n].device, ctx.autocast):
+            grads_in = captured.region(("gpn segment backward", id(model), n, cut, need, given), run,
+                                       _with_keep([*saved, *(g for g in grads if g is not None)], keep))
         return (None, None, None, None, None, *grads_in)
 
 

@@ -33,18 +33,18 @@ WARMUP = 2  # eager runs on a side stream before a capture
 
 @dataclass
 class Graph:
-    """One captured region: its static input buffers, a replay, and the static outputs it fills."""
+    """One captured region: the static input buffers it reads, the static outputs it fills, a replay."""
     inputs: list
     outputs: list
     replay: Callable[[], None]
-    bytes: int = 0  # device memory the capture took (static buffers and the pool's growth)
 
 
 class CudaGraphs:
-    """The real backend: torch.cuda.graph capture into one shared memory pool."""
+    """The real backend: torch.cuda graphs captured on one stream into one shared memory pool."""
 
     def __init__(self):
-        self.pool = None
+        self.pool = self.stream = None
+        self.pool_bytes = 0  # what the captures added to the device's allocations (the pool's growth)
 
     def available(self, device: torch.device) -> str | None:
         """Why regions cannot be captured on `device`, or None."""
@@ -54,20 +54,43 @@ class CudaGraphs:
             return "CUDA is not available"
         return None
 
-    def capture(self, fn: Callable, inputs: list) -> Graph:
-        before = torch.cuda.memory_allocated()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+    def warmup(self, fn: Callable, inputs: list) -> list:
+        """WARMUP eager runs on a side stream (what capture needs first); the last one's outputs."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
-                fn(*inputs)
+                out = _as_list(fn(*inputs))
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = _as_list(fn(*inputs))
-        return Graph(inputs, outputs, graph.replay, torch.cuda.memory_allocated() - before)
+        return out
+
+    def capture(self, body: Callable[[], None], device: torch.device) -> Callable[[], None]:
+        """body's launches as a graph; its replay. A failed capture ends cleanly (the thread's stream restored,
+        the allocator out of capture mode) and raises the error that broke it, not capture_end's echo of it."""
+        if self.pool is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.synchronize()  # every input written before the capture stream starts
+        graph, error = torch.cuda.CUDAGraph(), None
+        with torch.cuda.stream(self.stream):
+            # thread_local: another thread's CUDA call (the data loader's pinning) does not void the capture
+            graph.capture_begin(self.pool, capture_error_mode="thread_local")
+            try:
+                body()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the capture is ended
+                error = e
+            try:
+                graph.capture_end()
+            except BaseException as e:  # noqa: BLE001
+                error = error or e
+                try:  # capture_end raised before releasing the pool to ordinary allocation
+                    torch._C._cuda_endAllocateToPool(device.index or 0, self.pool)
+                except Exception:  # noqa: BLE001 - it had released it
+                    pass
+        if error is not None:
+            raise error
+        self.pool_bytes += torch.cuda.memory_allocated() - before
+        return graph.replay
 
 
 @dataclass
@@ -77,6 +100,9 @@ class _State:
     log: Callable[[str], None] = print
     backend: object = field(default_factory=CudaGraphs)
     graphs: dict = field(default_factory=dict)  # (name, signature, grad, autocast) -> Graph
+    # static buffers shared by every graph of a group ("rt_prefill forward": all layers) and signature: replays
+    # run one after another and outputs are copied out at once, so one set serves them all
+    buffers: dict = field(default_factory=dict)  # (group, "in" | "out", position, shape, dtype, device) -> Tensor
     eager: dict = field(default_factory=dict)  # region name -> why it runs eagerly (said once)
     said: set = field(default_factory=set)
     replays: int = 0
@@ -102,6 +128,18 @@ def _autocast_key(device_type: str) -> tuple:
     return (on, torch.get_autocast_dtype(device_type) if on else None)
 
 
+def autocast_state(device: torch.device) -> tuple:
+    """The caller's autocast on `device` (enabled, dtype): what a recomputing backward must run under."""
+    return _autocast_key(device.type)
+
+
+def autocast_as(device: torch.device, state: tuple):
+    """A context that runs under `state` (autocast_state's): a custom Function's backward, which the
+    autograd engine runs outside the forward's autocast, recomputes the forward's arithmetic this way."""
+    on, dtype = state
+    return torch.autocast(device.type, dtype=dtype) if on else torch.autocast(device.type, enabled=False)
+
+
 def _say(text: str) -> None:
     if text not in _state.said:
         _state.said.add(text)
@@ -112,11 +150,14 @@ def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) 
     """fn(*inputs) as a list of outputs: replayed from a CUDA graph inside a captured step on CUDA, run
     as is elsewhere (see the module docstring)."""
     inputs = list(inputs)
-    if not _state.active or not inputs or _capturing():  # a region inside another's capture is part of it
-        return _as_list(fn(*inputs))
+    if not inputs:
+        return _as_list(fn())
+    fn = _own_casts(fn, inputs[0].device.type)
+    if not _state.active or _capturing():  # a region inside another's capture is part of it
+        return fn(*inputs)
     group = name[0] if isinstance(name, tuple) else name
     if group in _state.eager:
-        return _as_list(fn(*inputs))
+        return fn(*inputs)
     device = inputs[0].device
     why = _state.backend.available(device)
     if why is not None:
@@ -124,39 +165,73 @@ def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) 
         if _state.mode == "on":
             raise RuntimeError(f"train.cuda_graphs=on cannot capture {group}: {why}")
         _say(f"train.cuda_graphs: {group} runs eagerly ({why})")
-        return _as_list(fn(*inputs))
+        return fn(*inputs)
     key = (name, _signature(inputs), torch.is_grad_enabled(), _autocast_key(device.type))
     graph = _state.graphs.get(key)
     if graph is None:
         graph = _capture(group, fn, inputs, device)
         if graph is None:
-            return _as_list(fn(*inputs))
+            return fn(*inputs)
         _state.graphs[key] = graph
-    else:
-        for static, t in zip(graph.inputs, inputs):
-            if static.data_ptr() != t.data_ptr():
-                static.copy_(t)
+    _copy_in(graph.inputs, inputs)
     graph.replay()
     _state.replays += 1
     return [o.clone() if o is not None else None for o in graph.outputs]
 
 
+def _own_casts(fn: Callable, device_type: str) -> Callable[..., list]:
+    """fn returning a list, with autocast's weight cache emptied at its start and end (module docstring)."""
+    def run(*xs) -> list:
+        if not torch.is_autocast_enabled(device_type):
+            return _as_list(fn(*xs))
+        torch.clear_autocast_cache()
+        try:
+            return _as_list(fn(*xs))
+        finally:
+            torch.clear_autocast_cache()
+    return run
+
+
+def _copy_in(static: list, inputs: list) -> None:
+    with torch.no_grad():  # the buffers never join an autograd graph
+        for buffer, t in zip(static, inputs):
+            if buffer.data_ptr() != t.data_ptr():
+                buffer.copy_(t)
+
+
+def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
+    """The group's shared static buffer for position i of its inputs or outputs, shaped like `like`."""
+    key = (group, kind, i, tuple(like.shape), like.dtype, like.device)
+    if key not in _state.buffers:
+        _state.buffers[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return _state.buffers[key]
+
+
 def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
-    static = [t.detach().clone() for t in inputs]
-    on, dtype = _autocast_key(device.type)
-
-    def body(*xs):  # autocast as the caller has it, without the weight cache (see the module docstring)
-        with torch.autocast(device.type, dtype=dtype, cache_enabled=False) if on else nullcontext():
-            return fn(*xs)
-
+    """Warm fn up, then capture it reading the group's shared input buffers and writing its shared output
+    buffers; None (said once) when the capture fails under "auto"."""
+    run = fn  # already emptying autocast's cache around each call (_own_casts)
     try:
-        return _state.backend.capture(body, static)
-    except Exception as e:  # an op that syncs or allocates on the host, a shape that changes inside
+        static = [_buffer(group, "in", i, t) for i, t in enumerate(inputs)]
+        _copy_in(static, inputs)
+        shapes = _state.backend.warmup(run, static)
+        outputs = [_buffer(group, "out", i, o) if o is not None else None for i, o in enumerate(shapes)]
+        del shapes
+
+        def body():
+            with torch.no_grad():
+                for buffer, o in zip(outputs, run(*static)):
+                    if buffer is not None:
+                        buffer.copy_(o)
+
+        replay = _state.backend.capture(body, device)
+    except Exception as e:  # an op that syncs the host, a shape that changes inside, memory
         if _state.mode == "on":
             raise RuntimeError(f"train.cuda_graphs=on: capturing {group} failed: {type(e).__name__}: {e}") from e
         _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
         return None
+    return Graph(static, outputs, replay)
 
 
 # ------------------------------ kernels/delta_memory/reference.py ---------------------------
@@ -643,6 +718,7 @@ class _Segment(torch.autograd.Function):
 
         outs = region(("gpn segment forward", id(model), n_state, cut), run, _with_keep(inputs, keep))
         ctx.model, ctx.W, ctx.n_state, ctx.keep, ctx.cut = model, W, n_state, keep, cut
+        ctx.autocast = autocast_state(inputs[n_state].device)  # recomputed in the forward's precision
         ctx.save_for_backward(*inputs)
         return tuple(outs)
 
@@ -666,8 +742,9 @@ class _Segment(torch.autograd.Function):
                        if pairs and wanted else [None] * len(wanted))
             return [next(got) if t.requires_grad else None for t in inputs]
 
-        grads_in = region(("gpn segment backward", id(model), n, cut, need, given), run,
-                                   _with_keep([*saved, *(g for g in grads if g is not None)], keep))
+        with autocast_as(saved[n].device, ctx.autocast):
+            grads_in = region(("gpn segment backward", id(model), n, cut, need, given), run,
+                                       _with_keep([*saved, *(g for g in grads if g is not None)], keep))
         return (None, None, None, None, None, *grads_in)
 
 
