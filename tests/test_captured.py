@@ -280,3 +280,27 @@ def test_the_rt_layer_benchmark_runs_its_table_on_a_cpu():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "| ours, CUDA graphs, fwd+bwd |" in proc.stdout
     assert "- batch 4: captured: rt_prefill forward 1 graph, rt_prefill backward 1 graph;" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to capture CUDA graphs")
+def test_a_capture_broken_by_a_host_sync_falls_back_cleanly_on_cuda():
+    """A region that reads a tensor on the host cannot be captured: under auto it is said once and runs
+    eagerly, with the thread's stream and the allocator as they were (later work, eager and captured, is right)."""
+    captured.reset(captured.CudaGraphs())
+    lines, x = [], torch.arange(4.0, device="cuda")
+
+    def syncs(t):
+        return t * float(t.sum().item())
+
+    stream = torch.cuda.current_stream()
+    with captured.step("auto", log=lines.append):
+        for _ in range(3):
+            out = captured.region("syncing", syncs, [x])[0]
+            torch.testing.assert_close(out, x * 6.0)
+        assert torch.cuda.current_stream() == stream
+        good = captured.region("fine", lambda t: t + 1, [x])[0]  # the next capture works
+        torch.testing.assert_close(good, x + 1)
+    assert len(lines) == 1 and "syncing runs eagerly from now on" in lines[0], lines
+    assert "fine 1 graph" in captured.summary()
+    captured.reset()
