@@ -79,6 +79,11 @@ skips in a row stop it, naming the steps and their data. train.skip_outlier_z=Z 
 also skips a loss or grad norm more than Z std above its mean over the last
 train.skip_outlier_window steps.
 
+On a GPU: train.compile (default on) compiles the model (RT: everything but its layers, whose position
+loops would unroll); train.cuda_graphs=auto|on|off (default off until measured) replays RT's layers and
+GPN's BPTT segments as CUDA graphs, eager elsewhere with one line saying so (on: refused where it cannot
+run); docs/kernels.md, "Captured regions".
+
 """ + _RUN_PATHS
 
 
