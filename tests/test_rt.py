@@ -425,28 +425,6 @@ def test_decode_runs_through_the_rt_decode_op_and_its_triton_path_decodes_alike(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_rt_layers_are_static_regions_that_a_capture_hook_runs_in_their_place():
-    """The seam for CUDA-graph capture (units.Run.capture): the driver hands each RT layer, a static-shape
-    position loop, to the hook instead of running it; a Transformer row is not a static region."""
-    from pretrain.models.units import Run
-
-    model = model_of(torch.float64)
-    tokens = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(3))
-    positions = torch.arange(9).expand(2, 9)
-    seen = []
-
-    def capture(unit, h, run):
-        seen.append(unit)
-        return unit.apply(h, run)
-
-    with torch.no_grad():
-        x, a = model.inputs(tokens, positions, None)
-        want = model.apply_units(model.embed(x), Run(a))
-        got = model.apply_units(model.embed(x), Run(a, capture=capture))
-    assert torch.equal(got, want) and len(seen) == 2 and all(u.static for u in model.units())
-    assert not any(u.static for u in model_of(torch.float64, recurrent=False).units())
-
-
 def test_compile_leaves_the_layers_out_and_gives_the_eager_loss_and_gradients():
     """train.compile on RT compiles around its layers (tracing one unrolls N positions: minutes), so the
     compiled model is the eager one, layer for layer."""

@@ -234,8 +234,8 @@ class RT(Decoder):
         super().compile(*args, **kwargs)
 
     def units(self) -> list[Unit]:
-        """A layer each; an RT layer's position loop is a static region (units.Unit.static)."""
-        return [Unit.block(b, i, static=self.cfg.recurrent) for i, b in enumerate(self.blocks)]
+        """A layer each (an RT layer's position loop is a captured region: kernels/rt_prefill/tiled.py)."""
+        return [Unit.block(b, i) for i, b in enumerate(self.blocks)]
 
     def stage_inputs(self, batch):
         """The training forward (the decoder's run_stage): positions run over the packed sample (no

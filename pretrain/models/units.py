@@ -38,9 +38,6 @@ class Run:
     cache: Any = None
     loops: int | None = None
     diagnostics: dict = field(default_factory=dict)
-    # capture(unit, h, run) -> h runs a unit that declares a static region (Unit.static) in its place: the
-    # seam for CUDA-graph capture of position loops on a GPU (RT's layer); None runs every unit eagerly
-    capture: Callable[["Unit", Tensor, "Run"], Tensor] | None = None
 
     @property
     def offset(self) -> int:
@@ -50,18 +47,17 @@ class Run:
 
 @dataclass(frozen=True)
 class Unit:
-    """One step of the trunk: `apply(h, run) -> h`, the modules / parameters it owns, and whether it is a
-    static region: a loop whose shapes depend only on the input's (RT's positions), which Run.capture may
-    run instead (captured once per shape and replayed)."""
+    """One step of the trunk: `apply(h, run) -> h` and the modules / parameters it owns. (A loop inside a
+    unit that a GPU should replay as a CUDA graph is a region of kernels/captured.py, declared by the kernel
+    or the model that runs it, not by the unit.)"""
 
     apply: Callable[[Tensor, Run], Tensor]
     owns: tuple = ()
-    static: bool = False
 
     @classmethod
-    def block(cls, block: nn.Module, slot: int, static: bool = False) -> "Unit":
+    def block(cls, block: nn.Module, slot: int) -> "Unit":
         """A block applied once, reading decode-cache slot `slot`."""
-        return cls(lambda h, run: block(h, run.attend.at(slot)), (block,), static)
+        return cls(lambda h, run: block(h, run.attend.at(slot)), (block,))
 
 
 class Units:
@@ -76,7 +72,7 @@ class Units:
     def apply_units(self, h: Tensor, run: Run, lo: int = 0, hi: int | None = None) -> Tensor:
         units = self.units()
         for unit in units[lo:len(units) if hi is None else hi]:
-            h = run.capture(unit, h, run) if unit.static and run.capture is not None else unit.apply(h, run)
+            h = unit.apply(h, run)
         return h
 
     def keep_stage(self, units, first: bool, last: bool) -> None:
