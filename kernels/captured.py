@@ -49,7 +49,7 @@ inside the region) is said once and that region runs eagerly from then on ("on":
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -175,7 +175,12 @@ def _signature(inputs: Sequence[Tensor]) -> tuple:
 
 
 def _autocast_key(device_type: str) -> tuple:
-    on = torch.is_autocast_enabled(device_type)
+    """(enabled, dtype) of autocast on this device type; (False, None) where autocast has none (meta: a
+    dry run's fake model)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False, None
     return (on, torch.get_autocast_dtype(device_type) if on else None)
 
 
@@ -188,7 +193,9 @@ def autocast_as(device: torch.device, state: tuple):
     """A context that runs under `state` (autocast_state's): a custom Function's backward, which the
     autograd engine runs outside the forward's autocast, recomputes the forward's arithmetic this way."""
     on, dtype = state
-    return torch.autocast(device.type, dtype=dtype) if on else torch.autocast(device.type, enabled=False)
+    if on:
+        return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, enabled=False) if _autocast_key(device.type)[0] else nullcontext()
 
 
 def _say(text: str) -> None:
@@ -270,7 +277,7 @@ def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) 
 def _own_casts(fn: Callable, device_type: str) -> Callable[..., list]:
     """fn returning a list, with autocast's weight cache emptied at its start and end (module docstring)."""
     def run(*xs) -> list:
-        if not torch.is_autocast_enabled(device_type):
+        if not _autocast_key(device_type)[0]:
             return _as_list(fn(*xs))
         torch.clear_autocast_cache()
         try:

@@ -304,3 +304,12 @@ def test_a_capture_broken_by_a_host_sync_falls_back_cleanly_on_cuda():
     assert len(lines) == 1 and "syncing runs eagerly from now on" in lines[0], lines
     assert "fine 1 graph" in captured.summary()
     captured.reset()
+
+
+def test_regions_run_on_the_meta_device_of_a_dry_run():
+    """`pretrain plan --dry-run` builds the model on the meta device, where autocast has no state: the
+    regions and the recomputing backwards run there as anywhere."""
+    assert captured.autocast_state(torch.device("meta")) == (False, None)
+    with captured.autocast_as(torch.device("meta"), (False, None)):
+        out = captured.region("meta", lambda t: t * 2, [torch.empty(3, device="meta")])
+    assert out[0].device.type == "meta" and out[0].shape == (3,)
