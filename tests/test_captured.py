@@ -97,9 +97,9 @@ def test_the_layers_share_one_set_of_static_buffers(emulated):
 
 @pytest.mark.parametrize("arch", ["rt", "gpn"])
 def test_regions_under_bf16_autocast_equal_the_plain_loop_and_backward_recomputes_in_bf16(emulated, arch):
-    """Under autocast the regions run with the caller's autocast (its weight cache off) and the backward, which
-    autograd runs outside the forward's autocast, recomputes under the forward's: graphed == eager exactly, and
-    the gradients are those of the bf16 forward, not of an fp32 recomputation."""
+    """Under autocast the regions run with the caller's autocast (its weight cache emptied as each starts and
+    ends), and the backward, which autograd runs outside the forward's autocast, recomputes under the forward's:
+    graphed == eager exactly, and the gradients are those of the bf16 forward, not of an fp32 recomputation."""
     if arch == "rt":
         model, batch = test_rt.model_of(dtype=torch.float32), _rt_batch()
     else:
