@@ -204,8 +204,17 @@ def _say(text: str) -> None:
         _state.log(text)
 
 
+def why_not(what: str | None, why_none: str | None, pp: int = 1, arch: str = "") -> str | None:
+    """Why a run cannot capture, its device aside (None: it can): the config's check of "on" and check()'s."""
+    if what is None:
+        return why_none or f"model.arch {arch!r} declares no loop to capture (RT and GPN do)"
+    if pp > 1:
+        return f"parallel.pp={pp}: pipeline stages would need one graph per micro batch in flight"
+    return None
+
+
 def check(mode: str, device: torch.device, what: str | None, why_none: str | None = None,
-          pipeline: bool = False) -> tuple[str | None, bool]:
+          pp: int = 1) -> tuple[str | None, bool]:
     """Before any work: (the run's line about its regions, None when there is nothing to say; whether its
     steps capture). `what`: the regions in words (an architecture's registry `captured_regions`), or
     None with `why_none`. Under "on", a run that cannot capture is a ValueError, one sentence."""
@@ -215,9 +224,8 @@ def check(mode: str, device: torch.device, what: str | None, why_none: str | Non
         return None, False  # an architecture without loops: nothing to say whatever the mode
     if mode == "off":
         return (f"train.cuda_graphs=off: {what} run eagerly (auto captures them on this GPU)"
-                if what and _state.backend.available(device) is None and not pipeline else None), False
-    why = why_none or ("pipeline stages would need one graph per micro batch in flight" if pipeline
-                       else _state.backend.available(device))
+                if what and _state.backend.available(device) is None and pp == 1 else None), False
+    why = why_not(what, why_none, pp) or _state.backend.available(device)
     if why is None:
         return f"train.cuda_graphs={mode}: {what} are captured as CUDA graphs in the first step and replayed", True
     if mode == "on":
@@ -305,17 +313,16 @@ def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
 def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
     """Warm fn up, then capture it reading the group's shared input buffers and writing its shared output
     buffers; None (said once) when the capture fails under "auto"."""
-    run = fn  # already emptying autocast's cache around each call (_own_casts)
-    try:
+    try:  # fn empties autocast's cache around each call already (_own_casts)
         static = [_buffer(group, "in", i, t) for i, t in enumerate(inputs)]
         _copy_in(static, inputs)
-        shapes = _state.backend.warmup(run, static)
+        shapes = _state.backend.warmup(fn, static)
         outputs = [_buffer(group, "out", i, o) if o is not None else None for i, o in enumerate(shapes)]
         del shapes
 
         def body():
             with torch.no_grad():
-                for buffer, o in zip(outputs, run(*static)):
+                for buffer, o in zip(outputs, fn(*static)):
                     if buffer is not None:
                         buffer.copy_(o)
 
@@ -354,4 +361,4 @@ def reset(backend: object | None = None) -> None:
 
 
 __all__ = ["CudaGraphs", "Emulated", "MODES", "autocast_as", "autocast_state", "check", "region", "reset", "step",
-           "summary"]
+           "summary", "why_not"]

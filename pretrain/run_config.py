@@ -316,11 +316,9 @@ class RunConfig:
         self.schedule.validate(self.train.max_steps, self.tokens_per_step)
         self.train.validate()
         if self.train.cuda_graphs == "on":  # the device is checked by the trainer (kernels/captured.check)
-            what, why = spec.captured_regions(self)
-            why = why or (None if what else f"model.arch {spec.name!r} declares no loop to capture (RT and GPN do)")
-            if why is None and self.parallel.pp > 1:
-                why = f"parallel.pp={self.parallel.pp}: pipeline stages would need one graph per micro batch in flight"
-            if why:
+            from kernels.captured import why_not
+
+            if why := why_not(*spec.captured_regions(self), self.parallel.pp, spec.name):
                 raise ConfigError(f"train.cuda_graphs=on captures nothing here: {why}; use auto or off")
         self.checkpoint.validate()
         if self.checkpoint.lock_timeout_s >= self.parallel.timeout_s:  # a Slurm job may wait that long on rank 0

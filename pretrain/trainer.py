@@ -242,7 +242,7 @@ class Trainer:
         # CUDA graphs of the architecture's loops (kernels/captured.py): refused here when forced and impossible
         captured.reset()
         self.capture_line, capture = captured.check(t.cuda_graphs, self.device, *self.spec.captured_regions(cfg),
-                                                    pipeline=cfg.parallel.pp > 1)
+                                                    cfg.parallel.pp)
         self.capture_mode = t.cuda_graphs if capture else "off"
         self.run_dir = t.run_dir
         check_vocab(cfg.data.train + cfg.data.valid, cfg.model.vocab_size)

@@ -250,8 +250,7 @@ class _Segment(torch.autograd.Function):
         saved = ctx.saved_tensors
 
         def run(*xs):
-            state, G, flat, keep_ = _split(xs[:len(saved)] + xs[len(xs) - (keep is not None):], n, len(saved),
-                                           keep is not None)
+            state, G, flat, keep_ = _split(xs, n, len(saved), keep is not None)
             gs = iter(xs[len(saved):len(saved) + sum(given)])
             inputs = [t.detach().requires_grad_(wants) for t, wants in zip([*state, G, *flat], need)]
             with torch.enable_grad():
@@ -274,8 +273,9 @@ def _with_keep(tensors, keep) -> list[Tensor]:
 
 
 def _split(xs, n_state: int, n_inputs: int, has_keep: bool):
-    """A segment region's inputs [*state, G, *folded matrices, (keep)] as (state, G, matrices, keep)."""
-    return list(xs[:n_state]), xs[n_state], list(xs[n_state + 1:n_inputs]), xs[n_inputs] if has_keep else None
+    """A segment region's inputs [*state, G, *folded matrices, (gradients), (keep)] as (state, G, matrices,
+    keep): n_inputs of them come before any gradients, and keep, when there is one, is the last (_with_keep)."""
+    return list(xs[:n_state]), xs[n_state], list(xs[n_state + 1:n_inputs]), xs[-1] if has_keep else None
 
 
 class GPN(Whole, nn.Module):

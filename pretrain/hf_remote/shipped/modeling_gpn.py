@@ -217,17 +217,16 @@ def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
 def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
     """Warm fn up, then capture it reading the group's shared input buffers and writing its shared output
     buffers; None (said once) when the capture fails under "auto"."""
-    run = fn  # already emptying autocast's cache around each call (_own_casts)
-    try:
+    try:  # fn empties autocast's cache around each call already (_own_casts)
         static = [_buffer(group, "in", i, t) for i, t in enumerate(inputs)]
         _copy_in(static, inputs)
-        shapes = _state.backend.warmup(run, static)
+        shapes = _state.backend.warmup(fn, static)
         outputs = [_buffer(group, "out", i, o) if o is not None else None for i, o in enumerate(shapes)]
         del shapes
 
         def body():
             with torch.no_grad():
-                for buffer, o in zip(outputs, run(*static)):
+                for buffer, o in zip(outputs, fn(*static)):
                     if buffer is not None:
                         buffer.copy_(o)
 
@@ -736,8 +735,7 @@ class _Segment(torch.autograd.Function):
         saved = ctx.saved_tensors
 
         def run(*xs):
-            state, G, flat, keep_ = _split(xs[:len(saved)] + xs[len(xs) - (keep is not None):], n, len(saved),
-                                           keep is not None)
+            state, G, flat, keep_ = _split(xs, n, len(saved), keep is not None)
             gs = iter(xs[len(saved):len(saved) + sum(given)])
             inputs = [t.detach().requires_grad_(wants) for t, wants in zip([*state, G, *flat], need)]
             with torch.enable_grad():
@@ -760,8 +758,9 @@ def _with_keep(tensors, keep) -> list[Tensor]:
 
 
 def _split(xs, n_state: int, n_inputs: int, has_keep: bool):
-    """A segment region's inputs [*state, G, *folded matrices, (keep)] as (state, G, matrices, keep)."""
-    return list(xs[:n_state]), xs[n_state], list(xs[n_state + 1:n_inputs]), xs[n_inputs] if has_keep else None
+    """A segment region's inputs [*state, G, *folded matrices, (gradients), (keep)] as (state, G, matrices,
+    keep): n_inputs of them come before any gradients, and keep, when there is one, is the last (_with_keep)."""
+    return list(xs[:n_state]), xs[n_state], list(xs[n_state + 1:n_inputs]), xs[-1] if has_keep else None
 
 
 class GPN(Whole, nn.Module):

@@ -498,17 +498,16 @@ def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
 def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
     """Warm fn up, then capture it reading the group's shared input buffers and writing its shared output
     buffers; None (said once) when the capture fails under "auto"."""
-    run = fn  # already emptying autocast's cache around each call (_own_casts)
-    try:
+    try:  # fn empties autocast's cache around each call already (_own_casts)
         static = [_buffer(group, "in", i, t) for i, t in enumerate(inputs)]
         _copy_in(static, inputs)
-        shapes = _state.backend.warmup(run, static)
+        shapes = _state.backend.warmup(fn, static)
         outputs = [_buffer(group, "out", i, o) if o is not None else None for i, o in enumerate(shapes)]
         del shapes
 
         def body():
             with torch.no_grad():
-                for buffer, o in zip(outputs, run(*static)):
+                for buffer, o in zip(outputs, fn(*static)):
                     if buffer is not None:
                         buffer.copy_(o)
 
