@@ -136,7 +136,7 @@ def test_a_forced_triton_path_refuses_a_float64_state_saying_why(forced_triton):
 
 
 # -- a tiny GPN+M on either path ---------------------------------------------------------------------------
-def tiny_gpn_loss_and_grads(path):
+def tiny_gpn_loss_and_grads(path, compiled=False):
     from pretrain.data.batch import collate
     from pretrain.models.gpn import GPN, GPNConfig
 
@@ -150,19 +150,35 @@ def tiny_gpn_loss_and_grads(path):
     raw = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(2)).numpy()
     batch = collate((raw, raw * 0), eod_id=None).to(DEVICE)
     registry.force("delta_memory_step", path)
+    if compiled:  # train.compile: GPN compiles its step (GPN.compile), the memory op inside it
+        torch._dynamo.reset()
+        model.compile(backend="inductor")
     try:
         registry.reset_paths_used()
         loss, _ = model(batch)
         loss.backward()
         assert registry.paths_used()["delta_memory_step"] == [path]
+        if compiled:  # the step did compile (a graph break would leave it eager and this test empty)
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     finally:
         registry.force("delta_memory_step", None)
+        torch._dynamo.reset()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 def test_a_tiny_gpn_m_trains_alike_on_the_triton_step():
     want_loss, want = tiny_gpn_loss_and_grads("reference")
     got_loss, got = tiny_gpn_loss_and_grads("triton")
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_compiled_tiny_gpn_m_equals_eager_through_the_triton_step():
+    """Inductor runs the custom ops through their fake functions (sizes and strides) and calls the real ones;
+    issue 34's attention ops failed exactly there, so the memory op gets the same check."""
+    want_loss, want = tiny_gpn_loss_and_grads("triton")
+    got_loss, got = tiny_gpn_loss_and_grads("triton", compiled=True)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
