@@ -215,7 +215,8 @@ def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], 
                     if (tp, pp) not in inventory:  # what each stage holds (the micro batch does not matter here)
                         inventory[(tp, pp)] = dry_run(replace(trial, train=replace(trial.train, micro_batch_seqs=1)),
                                                       tp, pp, dp, shapes=False)
-                    for mb in divisors(cfg.train.global_batch_seqs // dp, 64):  # the micro batch is free too
+                    per_rank = cfg.train.global_batch_seqs // dp  # the micro batch is free too, up to the whole
+                    for mb in divisors(per_rank, per_rank):  # batch: a position-serial loop pays per micro batch
                         M = cfg.train.global_batch_seqs // (mb * dp)
                         for v in _virtual_options(spec, cfg.model, pp, M):
                             out.append(_candidate(cfg, spec, hw, memory_gib, inventory[(tp, pp)],

@@ -256,6 +256,23 @@ def test_a_position_serial_loop_pays_its_latency_per_micro_batch(micro):
     assert t_small.step.compute_s == pytest.approx(t_whole.step.compute_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("config, batch", [("rt/300m-12l", 512), ("gpn/gpn-m-130m", 128)])
+def test_the_planner_offers_micro_batches_up_to_the_whole_batch(config, batch):
+    """A position-serial loop pays its latency once per micro batch, so RT's and GPN's plans on one GPU take the
+    largest micro batch that fits: the recipe's whole batch (RT 512, GPN 128), above the 64 the planner once
+    capped it at; every divisor of the per-rank batch is a candidate."""
+    from parallel.plan import HARDWARE
+    from pretrain.config import load_config
+    from pretrain.plan import candidates
+
+    cfg = load_config(config, [], check_data=False)
+    assert cfg.train.global_batch_seqs == batch
+    found, _ = candidates(cfg, 1, HARDWARE["h100"], 80)
+    assert {c.micro_batch for c in found} == {k for k in range(1, batch + 1) if batch % k == 0}
+    best = found[0]
+    assert best.fits and best.micro_batch == max(c.micro_batch for c in found if c.fits) > 64
+
+
 @pytest.mark.parametrize("pp, virtual, M", [(2, 1, 8), (4, 1, 2), (4, 2, 8), (8, 2, 16), (4, 3, 12), (4, 2, 4)])
 def test_the_planners_micro_batches_in_flight_are_megatrons_warm_up(pp, virtual, M):
     """in_flight x v - 1 (the steady state's one forward taken off) is the warm-up megatron-core's
