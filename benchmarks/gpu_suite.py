@@ -18,7 +18,8 @@ Parts:
 Each row is a subprocess `pretrain train` on data the suite writes itself (random tokens in documents
 of ~1,000 tokens, with a small tokenizer.json naming the special tokens), one micro batch per step,
 constant lr, log_every=1. Figures are medians over the steps after --warmup: input tokens/s, TFLOP/s
-and MFU by the registry's flops_per_token, the peak memory the trainer logs, compile time (the first
+and MFU by the registry's flops_per_token, the peak memory the trainer logs beside the planner's estimate for
+the run (pretrain/plan.py's rank_bytes at that micro batch, bf16 on a GPU), compile time (the first
 step's time beyond a steady step), and the attention path that ran. Each row has a time cap (--cap);
 a row that passes it is marked and the suite goes on. On a GPU a run is stopped once its last step is
 recorded (its end-of-run evaluation and checkpoint would measure nothing). The table is written to OUT/suite_<part>.md
@@ -181,7 +182,7 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
         if same in args.dry_runs:  # rows that differ only in their micro batch train the same dry run once
             return {**args.dry_runs[same], "row": row.name, "config": row.config, "note": row.note}
     result = {"row": row.name, "config": row.config, "note": row.note, "compiled": row.compile and not args.dry_run,
-              "micro": micro, "seq_len": seq_len}
+              "micro": micro, "seq_len": seq_len, "planner_gib": planner_gib(cfg, micro, seq_len)}
     metrics = run_dir / "metrics.jsonl"
     # On a GPU the run is stopped once its last step is recorded: the end-of-run evaluation (a second
     # compilation, under no_grad) and checkpoint would spend the part's minutes measuring nothing. The
@@ -205,6 +206,21 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
     if args.dry_run:
         args.dry_runs[same] = result
     return result
+
+
+def planner_gib(cfg, micro: int, seq_len: int) -> float | None:
+    """What the planner gives this run's one rank at its micro batch (pretrain/plan.py's rank_bytes: the figure
+    `pretrain plan` and the out-of-memory sentence show), beside the measured peak so a GPU run checks the
+    estimate; None for an architecture without an activation estimate."""
+    from dataclasses import replace
+
+    from pretrain.models import get_arch
+    from pretrain.plan import rank_bytes, rank_stages
+
+    cfg = replace(cfg, train=replace(cfg.train, micro_batch_seqs=micro, global_batch_seqs=micro),
+                  data=replace(cfg.data, seq_len=seq_len))
+    size, known = rank_bytes(cfg, get_arch(cfg.model.arch), rank_stages(cfg, 1), cfg.parallel, 1, micro)
+    return size / 2**30 if known else None
 
 
 def last_step(path: Path) -> int:
@@ -371,8 +387,8 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
 
 # -- the table --------------------------------------------------------------------------------------
 def table(results: list[dict]) -> str:
-    lines = ["| run | micro × T | tokens/s | TFLOP/s | MFU | peak GB | compile s | fwd/bwd/opt/data/other | attention | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | micro × T | tokens/s | TFLOP/s | MFU | peak GiB | planner GiB | compile s | fwd/bwd/opt/data/other | "
+             "attention | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         num = lambda k, f: (f.format(r[k]) if r.get(k) is not None else "—")  # noqa: E731
         split = r.get("time_split") or {}
@@ -381,7 +397,7 @@ def table(results: list[dict]) -> str:
         status = r.get("status", "") + (f": {r['error']}" if r.get("error") else "")
         name = r["row"] + ("" if r.get("compiled", True) else " (eager)")
         lines.append(f"| {name} | {r.get('micro', '—')} × {r.get('seq_len', '—')} | {num('tokens_per_s', '{:,.0f}')} | "
-                     f"{num('tflops', '{:.1f}')} | {num('mfu', '{:.1%}')} | {num('memory_gb', '{:.1f}')} | "
+                     f"{num('tflops', '{:.1f}')} | {num('mfu', '{:.1%}')} | {num('memory_gb', '{:.1f}')} | {num('planner_gib', '{:.1f}')} | "
                      f"{num('compile_s', '{:.0f}')} | {split_s} | {r.get('paths') or '—'} | {status} |")
     notes = [f"- {r['row']}: {r['note']}" for r in results if r.get("note")]
     return "\n".join(lines + ([""] + notes if notes else []))

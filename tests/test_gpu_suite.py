@@ -29,6 +29,7 @@ def test_gpu_suite_dry_run_runs_every_row_and_writes_the_table(tmp_path):
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["tflops"] > 0, r
         if not r["row"].startswith("HF"):
             assert r["paths"] and sum(r["time_split"].values()) > 0.9, r  # the trainer's own figures, read back
+            assert r["planner_gib"] > 0, r  # every architecture has an activation estimate to check on a GPU
     table = (out / "suite_all.md").read_text()
     assert "commit abc1234" in table and table.count("| ok |") == len(results)
     assert "baseline/s no-mask / HF Llama tokens/s" in table  # the targets' ratios, from this run's figures
