@@ -6,7 +6,8 @@ windows: run one part before a change and again after it).
     python benchmarks/gpu_suite.py --part all --dry-run --out /tmp/suite    # CPU, tiny shapes (CI)
 
 Parts:
-  transformer  baseline/s with and without document masks and HF Llama at its shape, baseline/m,
+  transformer  baseline/s with and without document masks (compiled whole and block by block) and HF Llama at
+               its shape, baseline/m,
                sps/s, cart/d1024-r6 and its Dense partner dense-7l, crt/owt-crt-d5-c1024 and the
                RoFormer of its width (owt-roformer-n12-c1024)
   serial       rt/300m-12l eager and with train.cuda_graphs (at micro 64 and the paper's 512), rt/t-300m-12l,
@@ -62,10 +63,14 @@ class Row:
 
 NOMASK = ["model.document_mask=false"]
 GRAPHS, GRAPHS_OFF = ["train.cuda_graphs=on"], ["train.cuda_graphs=off"]
+BLOCKS = ["train.compile_scope=blocks"]
 PARTS = {
     "transformer": [
         Row("baseline/s no-mask", "baseline/s", NOMASK, hf=True, note="plain causal: like for like with HF"),
         Row("baseline/s", "baseline/s"),
+        Row("baseline/s no-mask blocks", "baseline/s", [*NOMASK, *BLOCKS], note="train.compile_scope=blocks: compile time "
+            "and step time against whole-model compile (the first row)"),
+        Row("baseline/s blocks", "baseline/s", BLOCKS, note="the same with document masks (94 s to compile whole on the H200)"),
         Row("baseline/m no-mask", "baseline/m", NOMASK),
         Row("sps/s", "sps/s", [f"model.predict_id={PREDICT}", f"model.eos_id={EOD}"]),
         Row("cart/d1024-r6", "cart/d1024-r6", micro=32),

@@ -341,8 +341,19 @@ class Op:
 
     def __call__(self, *args, **kwargs):
         path = self.pick(*args, **kwargs)
-        _used[self.name].add(path.name)
+        _note_used(self.name, path.name)
         return path.fn(*args, **kwargs)
+
+
+def _note_used(op_name: str, path_name: str) -> bool:
+    """Record that `path_name` of op `op_name` ran. Under torch.compile dynamo calls it for real once, at trace
+    time, and keeps its result as a constant (marked as _choose is): traced as code, the set's contents became a
+    guard that failed at the second call, so every compiled model compiled twice."""
+    _used[op_name].add(path_name)
+    return True
+
+
+_note_used._dynamo_marked_constant = True
 
 
 _OPS: dict[str, Op] = {}

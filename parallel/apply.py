@@ -10,7 +10,8 @@ applies, in this order (torchtitan's; each step needs the one before it):
    (parallel/recompute.py's Recompute) either wraps modules in checkpointing or configures the model
    to recompute by itself (segments of a time loop, a custom backward);
 3. compile: `torch.compile` of the model's forward, in place (parameter names and the module stay
-   the same for checkpoints and the engines);
+   the same for checkpoints and the engines); with compile_scope "blocks", the model's `compile_blocks`
+   (each block apart, where the model has one; its own `compile` otherwise);
 4. the data-parallel engine `parallel.data_parallel` names (the pipeline engine with stages), around the
    model and the optimizer
    `make_optimizer(model)` builds (the trainer's; the engine may shard it or, for megatron, build
@@ -31,7 +32,8 @@ from parallel.recompute import Recompute, as_policy
 def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
                 make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
                 recompute: Recompute | Callable[[torch.nn.Module], list] | None = None,
-                compile: bool = False, pipeline_split: Callable[[int], list] | None = None) -> Engine:
+                compile: bool = False, pipeline_split: Callable[[int], list] | None = None,
+                compile_scope: str = "model") -> Engine:
     """The engine around the model `build()` makes, with the steps of the module docstring applied;
     `recompute` is the activation-recompute policy chosen (a Recompute, or a bare function model ->
     modules to wrap), or None; `pipeline_split(n)` gives the boundaries of n stages under parallel.pp > 1
@@ -49,7 +51,8 @@ def parallelize(build: Callable[[], torch.nn.Module], settings: EngineSettings,
     if recompute is not None:  # 2
         as_policy(recompute).apply(model)
     if compile:  # 3
-        model.compile()
+        scoped = getattr(model, "compile_blocks", None) if compile_scope == "blocks" else None
+        (scoped or model.compile)()
     if chunks is not None:  # 4
         from parallel.pipeline import MegatronPipelineEngine, PipelineEngine
 

@@ -80,7 +80,8 @@ also skips a loss or grad norm more than Z std above its mean over the last
 train.skip_outlier_window steps.
 
 On a GPU: train.compile (default on) compiles the model (RT: everything but its layers, whose position
-loops would unroll); train.cuda_graphs=auto|on|off (default off until measured) replays RT's layers and
+loops would unroll); train.compile_scope=blocks compiles each block apart instead (one graph shared by
+blocks alike: compiling takes about one block's time); train.cuda_graphs=auto|on|off (default off until measured) replays RT's layers and
 GPN's BPTT segments as CUDA graphs, eager elsewhere with one line saying so (on: refused where it cannot
 run); docs/kernels.md, "Captured regions".
 

@@ -166,6 +166,10 @@ class TrainConfig:
     precision: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = True  # torch.compile the model (pays off after ~50 steps on CPU; short runs turn it off)
+    # model: one graph of the whole forward | blocks: each block compiled on its own (torchtitan's per-block
+    # compile; identical blocks share one compiled graph, so it compiles in about one block's time) and the
+    # read-out (final norm, head, loss) apart; CRT and GPN compile their own pieces either way
+    compile_scope: str = "model"
     # CUDA graphs for the loops an architecture declares (RT's layers, GPN's segments; kernels/captured.py):
     # auto (captured on a GPU, eager elsewhere with one line saying so) | on (refused where it cannot) | off
     cuda_graphs: str = "off"
@@ -206,7 +210,8 @@ class TrainConfig:
         if str(self.cuda_graphs) in ("True", "False"):  # YAML 1.1 reads a bare on / off as a boolean
             self.cuda_graphs = "on" if str(self.cuda_graphs) == "True" else "off"
         choices = {"precision": ("auto", "fp32", "bf16", "fp64"), "device": ("auto", "cpu", "cuda"),
-                   "nan_policy": ("stop", "skip"), "cuda_graphs": ("auto", "on", "off")}
+                   "nan_policy": ("stop", "skip"), "cuda_graphs": ("auto", "on", "off"),
+                   "compile_scope": ("model", "blocks")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -256,7 +256,8 @@ class Trainer:
         # layout, recompute, compile, engine: in that order, in one place (parallel/apply.py)
         self.engine = parallelize(build, EngineSettings.from_run(cfg), lambda m: build_optimizer(m, cfg.optim),
                                   self.spec.recompute_policies().get(cfg.parallel.recompute), compile=t.compile,
-                                  pipeline_split=lambda pp: self.spec.pipeline_split(cfg.model, pp))
+                                  pipeline_split=lambda pp: self.spec.pipeline_split(cfg.model, pp),
+                                  compile_scope=t.compile_scope)
         self.model, self.layout = self.engine.model, layout()
         self.dp_rank, self.dp_size = dp_rank_and_size()
         self.step, self.consumed = 0, 0
@@ -538,6 +539,7 @@ class Trainer:
                  f"{self.engine.describe()}{' | megatron-core layers' if lay.megatron_layers else ''}"
                  f"{' | activation recompute: ' + p.recompute if p.recompute != 'none' else ''}")
         if cfg.train.compile:
-            self.log("compiling the model: the first steps are slow (train.compile=false runs it eagerly)")
+            scope = " (train.compile_scope=blocks)" if cfg.train.compile_scope == "blocks" else ""
+            self.log(f"compiling the model{scope}: the first steps are slow (train.compile=false runs it eagerly)")
         if self.capture_line:
             self.log(self.capture_line)

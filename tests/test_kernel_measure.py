@@ -187,6 +187,25 @@ def test_chosen_at_trace_time_under_torch_compile(clock):
     assert registry._choose._dynamo_marked_constant is True
 
 
+def test_what_ran_is_recorded_without_a_guard_under_torch_compile():
+    """paths_used is recorded at trace time (registry._note_used, a constant to dynamo, as _choose is). Traced as
+    code, the set's contents became a guard that failed at the second call: every compiled model compiled twice."""
+    torch._dynamo.reset()
+    registry._OPS.pop("test_measured", None)
+    op = registry.op("test_measured")
+    op.register("a", lambda x: x * 2.0, priority=20)
+    op.register("b", lambda x: x * 3.0, priority=10, capable=lambda x: x.shape[0] > 5)
+    registry.reset_paths_used()
+    compiled = torch.compile(lambda x: op(x) + 1, backend="eager")
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the counters outlive dynamo.reset
+    for value in (1.0, 2.0, 3.0):
+        compiled(torch.full((3,), value))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    assert registry.paths_used()["test_measured"] == ["a"]
+    assert registry._note_used._dynamo_marked_constant is True
+    torch._dynamo.reset()
+
+
 def test_the_switch_is_read_from_the_environment(monkeypatch):
     code = "from kernels import registry; print(registry.measuring())"
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,

@@ -211,6 +211,10 @@ class CRT(Whole, Decoder):
             if module is not None:
                 module.compile(*args, **kwargs)
 
+    def compile_blocks(self, **kwargs) -> None:
+        """train.compile_scope=blocks: `compile` already compiles a piece (one pass), not the K-pass forward."""
+        self.compile(**kwargs)
+
     # -- training and evaluation: K passes in parallel ----------------------------------------------
     def passes(self, tokens, positions, doc_ids, K: int, corrections: int = 0) -> tuple[Tensor, list[Tensor]]:
         """Block output z^(K) [B, T, C] after K passes, and the last `corrections` corrections

@@ -27,7 +27,7 @@ from parallel.layers import LMHead, VocabEmbedding
 from parallel.stages import mark_tied
 from pretrain.models.base import EVAL, ModelConfig, check_eos_id, continue_doc_ids, doc_ids_of
 from pretrain.models.blocks import Attend, BlockOptions, Rope, apply_rope, make_norm, rope_tables
-from pretrain.models.units import Run, Unit, Units
+from pretrain.models.units import Run, Unit, Units, unit_modules
 
 __all__ = ["Decoder", "DecoderConfig", "GradCache", "KVCache", "apply_rope", "rope_tables"]
 
@@ -239,6 +239,15 @@ class Decoder(Units, nn.Module):
             return h, run.diagnostics
         loss, diagnostics = self.stage_output(h, batch)
         return loss, {**run.diagnostics, **diagnostics}
+
+    def compile_blocks(self, **kwargs) -> None:
+        """train.compile_scope=blocks (torchtitan's per-block compile): each distinct block compiled on its own
+        and the read-out (final norm, head, loss) apart. Blocks of one class share one compiled graph (dynamo
+        treats their parameters as inputs), so compiling costs about one block instead of the whole depth;
+        what is lost is fusion across a block's boundary. The embedding (a gather) runs as written."""
+        for module in unit_modules(self):
+            module.compile(**kwargs)
+        self.stage_output = torch.compile(self.stage_output, **kwargs)
 
     def drop_ends(self, first: bool, last: bool) -> None:
         """The embedding off the first stage, the final norm and head off the last; a tied weight marked

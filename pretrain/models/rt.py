@@ -233,6 +233,13 @@ class RT(Decoder):
                 block.forward = torch.compiler.disable(block.forward, recursive=True)
         super().compile(*args, **kwargs)
 
+    def compile_blocks(self, **kwargs) -> None:
+        """train.compile_scope=blocks: the Transformer rows compile block by block; RT's own layers stay out as
+        under `compile` (their position loops would unroll), so for them it is `compile`."""
+        if self.cfg.recurrent:
+            return self.compile(**kwargs)
+        super().compile_blocks(**kwargs)
+
     def units(self) -> list[Unit]:
         """A layer each (an RT layer's position loop is a captured region: kernels/rt_prefill/tiled.py)."""
         return [Unit.block(b, i) for i, b in enumerate(self.blocks)]

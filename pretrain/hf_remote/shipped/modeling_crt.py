@@ -727,6 +727,18 @@ class Whole:
             raise ValueError(f"{type(self).__name__} is one pipeline unit: it runs as a single stage")
 
 
+def unit_modules(model) -> list[nn.Module]:
+    """The modules the model's units own, each once, in order: the activation-recompute policy of a model
+    whose units are its blocks (each checkpointed keeps only its input; a registry `recompute_units`)."""
+    seen, out = set(), []
+    for unit in model.units():
+        for x in unit.owns:
+            if isinstance(x, nn.Module) and id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+    return out
+
+
 def _names(model: nn.Module) -> dict[int, str]:
     """id -> the first attribute path of every submodule and parameter of `model`."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -1251,6 +1263,15 @@ class Decoder(Units, nn.Module):
         loss, diagnostics = self.stage_output(h, batch)
         return loss, {**run.diagnostics, **diagnostics}
 
+    def compile_blocks(self, **kwargs) -> None:
+        """train.compile_scope=blocks (torchtitan's per-block compile): each distinct block compiled on its own
+        and the read-out (final norm, head, loss) apart. Blocks of one class share one compiled graph (dynamo
+        treats their parameters as inputs), so compiling costs about one block instead of the whole depth;
+        what is lost is fusion across a block's boundary. The embedding (a gather) runs as written."""
+        for module in unit_modules(self):
+            module.compile(**kwargs)
+        self.stage_output = torch.compile(self.stage_output, **kwargs)
+
     def drop_ends(self, first: bool, last: bool) -> None:
         """The embedding off the first stage, the final norm and head off the last; a tied weight marked
         (a head tied to the embedding keeps its own reference to the weight on the last stage; the pipeline
@@ -1475,6 +1496,10 @@ class CRT(Whole, Decoder):
         for module in (self.trunk, self.correction):
             if module is not None:
                 module.compile(*args, **kwargs)
+
+    def compile_blocks(self, **kwargs) -> None:
+        """train.compile_scope=blocks: `compile` already compiles a piece (one pass), not the K-pass forward."""
+        self.compile(**kwargs)
 
     # -- training and evaluation: K passes in parallel ----------------------------------------------
     def passes(self, tokens, positions, doc_ids, K: int, corrections: int = 0) -> tuple[Tensor, list[Tensor]]:

@@ -1190,6 +1190,18 @@ class Units:
         raise NotImplementedError
 
 
+def unit_modules(model) -> list[nn.Module]:
+    """The modules the model's units own, each once, in order: the activation-recompute policy of a model
+    whose units are its blocks (each checkpointed keeps only its input; a registry `recompute_units`)."""
+    seen, out = set(), []
+    for unit in model.units():
+        for x in unit.owns:
+            if isinstance(x, nn.Module) and id(x) not in seen:
+                seen.add(id(x))
+                out.append(x)
+    return out
+
+
 def _names(model: nn.Module) -> dict[int, str]:
     """id -> the first attribute path of every submodule and parameter of `model`."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -1693,6 +1705,15 @@ class Decoder(Units, nn.Module):
         loss, diagnostics = self.stage_output(h, batch)
         return loss, {**run.diagnostics, **diagnostics}
 
+    def compile_blocks(self, **kwargs) -> None:
+        """train.compile_scope=blocks (torchtitan's per-block compile): each distinct block compiled on its own
+        and the read-out (final norm, head, loss) apart. Blocks of one class share one compiled graph (dynamo
+        treats their parameters as inputs), so compiling costs about one block instead of the whole depth;
+        what is lost is fusion across a block's boundary. The embedding (a gather) runs as written."""
+        for module in unit_modules(self):
+            module.compile(**kwargs)
+        self.stage_output = torch.compile(self.stage_output, **kwargs)
+
     def drop_ends(self, first: bool, last: bool) -> None:
         """The embedding off the first stage, the final norm and head off the last; a tied weight marked
         (a head tied to the embedding keeps its own reference to the weight on the last stage; the pipeline
@@ -1936,6 +1957,13 @@ class RT(Decoder):
             for block in self.blocks:
                 block.forward = torch.compiler.disable(block.forward, recursive=True)
         super().compile(*args, **kwargs)
+
+    def compile_blocks(self, **kwargs) -> None:
+        """train.compile_scope=blocks: the Transformer rows compile block by block; RT's own layers stay out as
+        under `compile` (their position loops would unroll), so for them it is `compile`."""
+        if self.cfg.recurrent:
+            return self.compile(**kwargs)
+        super().compile_blocks(**kwargs)
 
     def units(self) -> list[Unit]:
         """A layer each (an RT layer's position loop is a captured region: kernels/rt_prefill/tiled.py)."""
