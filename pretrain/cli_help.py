@@ -79,11 +79,11 @@ skips in a row stop it, naming the steps and their data. train.skip_outlier_z=Z 
 also skips a loss or grad norm more than Z std above its mean over the last
 train.skip_outlier_window steps.
 
-On a GPU: train.compile (default on) compiles the model (RT: everything but its layers, whose position
-loops would unroll); train.compile_scope=blocks compiles each block apart instead (one graph shared by
-blocks alike: compiling takes about one block's time); train.cuda_graphs=auto|on|off (default off until measured) replays RT's layers and
-GPN's BPTT segments as CUDA graphs, eager elsewhere with one line saying so (on: refused where it cannot
-run); docs/kernels.md, "Captured regions".
+On a GPU: train.compile (default on) compiles the model (RT: its read-out alone; its layers' position
+loops would unroll). train.compile_scope=blocks compiles each block apart instead (blocks alike share
+one graph: compiling takes about one block's time). train.cuda_graphs=auto|on|off (default off until
+measured) replays RT's layers and GPN's BPTT segments as CUDA graphs, eager elsewhere with one line
+saying so (on: refused where it cannot run); docs/kernels.md, "Captured regions".
 
 """ + _RUN_PATHS
 

@@ -426,20 +426,24 @@ def test_decode_runs_through_the_rt_decode_op_and_its_triton_path_decodes_alike(
 
 
 def test_compile_leaves_the_layers_out_and_gives_the_eager_loss_and_gradients():
-    """train.compile on RT compiles around its layers (tracing one unrolls N positions: minutes), so the
-    compiled model is the eager one, layer for layer."""
+    """train.compile on RT compiles its read-out alone (tracing a layer unrolls N positions: minutes), so the
+    compiled model is the eager one, layer for layer; one graph over two steps (no break per layer)."""
     from pretrain.data.batch import collate
 
     tokens = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(3)).numpy()
     batch = collate((tokens, tokens * 0), eod_id=None)
     eager, compiled = model_of(dtype=torch.float32), model_of(dtype=torch.float32)
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # the counters outlive dynamo.reset
     compiled.compile()
     results = []
-    for m in (eager, compiled):
+    for m in (eager, compiled, compiled):
+        m.zero_grad(set_to_none=True)
         loss, _ = m(batch)
         loss.backward()
         results.append((loss.detach(), [p.grad for p in m.parameters()]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert all(getattr(b.forward, "_torchdynamo_disable", False) for b in compiled.blocks)
+    assert compiled._compiled_call_impl is None and not any(b._compiled_call_impl for b in compiled.blocks)

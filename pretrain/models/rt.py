@@ -224,18 +224,20 @@ class RT(Decoder):
         return list(self.blocks)
 
     def compile(self, *args, **kwargs) -> None:
-        """torch.compile of everything but the RT layers (train.compile): tracing a layer unrolls its N positions
-        into one graph (d 64 at N = 32: 201 s to the first step on a CPU, against seconds for the rest; the issue's
-        RT-300M at N = 512 had not compiled after 80 s on an H100), so the layers run as written, or as CUDA
-        graphs under train.cuda_graphs, while the embedding, final norm, head and loss compile around them."""
+        """train.compile of RT: the read-out alone (final norm, head, loss). Tracing a layer unrolls its N
+        positions into one graph (d 64 at N = 32: 201 s to the first step on a CPU; the issue's RT-300M at N = 512
+        had not compiled after 80 s on an H100), so the layers run as written, or as CUDA graphs under
+        train.cuda_graphs. Compiling the model around disabled layers broke its graph at every layer and
+        recompiled the loop's remainder per layer; the embedding left out is a gather. The Transformer rows
+        compile whole."""
         if self.cfg.recurrent:
-            for block in self.blocks:
-                block.forward = torch.compiler.disable(block.forward, recursive=True)
+            self.stage_output = torch.compile(self.stage_output, *args, **kwargs)
+            return
         super().compile(*args, **kwargs)
 
     def compile_blocks(self, **kwargs) -> None:
         """train.compile_scope=blocks: the Transformer rows compile block by block; RT's own layers stay out as
-        under `compile` (their position loops would unroll), so for them it is `compile`."""
+        under `compile`, so for them it is `compile`."""
         if self.cfg.recurrent:
             return self.compile(**kwargs)
         super().compile_blocks(**kwargs)
