@@ -265,21 +265,33 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
 def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int) -> tuple[int, bool]:
     """(the fullest rank's bytes with micro batch mb, whether its activations are in them): each stage's
     weights, gradients and optimizer state (parallel/plan.py's table) and its activations (the registry's
-    activation_bytes x the stage's share / tp x the micro batches in flight, halved under bf16)."""
+    activation_bytes x the stage's share / tp x the micro batches in flight, under bf16 `bf16_activations`)."""
     from parallel.plan import engine_of, in_flight, state_bytes
 
     T, tp, pp = cfg.data.seq_len, parallel.tp, parallel.pp
     M = cfg.train.global_batch_seqs // (mb * dp)
-    bf16 = cfg.train.precision in ("auto", "bf16")  # on GPUs: activations in bf16, the logits in fp32 (about half)
     whole = spec.activation_bytes(cfg.model, T, mb, parallel.recompute)
     worst, known = 0, whole is not None
+    if known and cfg.train.precision in ("auto", "bf16"):  # auto: bf16 on the GPUs the planner plans for
+        whole = bf16_activations(cfg.model, whole, mb * T, spec.bf16_kept)
     for r in stages:
         act = 0.0
         if known:
             act = whole * r.act_fraction / tp
-            act *= in_flight(pp, r.stage, M, parallel.virtual_stages) * (0.5 if bf16 else 1.0)
+            act *= in_flight(pp, r.stage, M, parallel.virtual_stages)
         worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
     return worst, known
+
+
+def bf16_activations(model_cfg, fp32_bytes: float, positions: int, kept: float) -> float:
+    """A micro batch's activation bytes under bf16 autocast from the registry's fp32 estimate: the loss's logits,
+    their softmax and gradient (3 V fp32 numbers per position read out; one loss chunk's positions under
+    model.loss_chunk) stay as they are; the rest keeps `kept` of its bytes (the registry's bf16_kept: not half,
+    since the residual stream, norms' inputs and softmax statistics stay fp32). Halving all of it, as the planner
+    did, put RT's Transformer-12L at 128 x 512 at 65.9 GiB; it ran out of an 80 GB H100."""
+    chunk = getattr(model_cfg, "loss_chunk", 0) or positions
+    logits = min(fp32_bytes, 4 * 3 * model_cfg.vocab_size * min(chunk, positions))
+    return logits + (fp32_bytes - logits) * kept
 
 
 def fits(memory: int, capacity: float) -> bool:

@@ -599,6 +599,7 @@ SPEC = register(ArchSpec(
     flops_formula=FLOPS_FORMULA,
     info=info,
     activation_bytes=activation_bytes,
+    bf16_kept=2.0,  # the state and memory stay fp32 and autocast keeps bf16 copies beside them (CPU autocast)
     serial_loop=serial_loop,
     decode=DecodeRelation("exact"),
     progress=("mem_effect",),

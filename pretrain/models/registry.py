@@ -139,6 +139,9 @@ class ArchSpec:
     # peak bytes of one micro batch's forward and backward in fp32 (pretrain/plan.py scales it by stage);
     # None from the default: no estimate (the planner shows weights and optimizer state only, "+?")
     activation_bytes: Callable[[Any, int, int, str], int | None] = lambda cfg, seq_len, batch, recompute: None
+    # The share of those bytes, the loss's logits aside, a micro batch keeps under bf16 autocast
+    # (pretrain/plan.py's bf16_activations; tests/test_plan.py measures it under CPU autocast)
+    bf16_kept: float = 0.65
     # A recurrence over positions that training cannot parallelize: serial_loop(cfg, T) -> (dependent
     # steps one micro batch's forward takes, its backward the same; training FLOPs per token run inside
     # those steps, forward and backward). The planner charges each step a latency and runs those FLOPs
