@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.gpu,
 ARCHS = ["baseline", "sps", "crt", "rt", "cart", "gpn"]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_config_trains_compiled_on_cuda_like_eager(tmp_path, arch):
+@pytest.mark.parametrize("arch, scope", [(arch, "model") for arch in ARCHS] + [("baseline", "blocks"), ("sps", "blocks")])
+def test_tiny_config_trains_compiled_on_cuda_like_eager(tmp_path, arch, scope):
+    """scope: train.compile_scope (blocks: each block compiled apart, tests/test_compile_blocks.py on the CPU)."""
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
 
@@ -26,7 +27,8 @@ def test_tiny_config_trains_compiled_on_cuda_like_eager(tmp_path, arch):
         over = tiny_overrides(tmp_path / str(compiled), corpus, arch, **{
             "train.max_steps": 3, "train.eval_every": 0, "checkpoint.every": 0, "schedule.kind": "constant",
             "schedule.warmup_steps": 1, "train.device": "cuda", "train.precision": "bf16",
-            "train.compile": str(compiled).lower(), "log.peak_tflops": 0.0, "data.tokenizer": tokenizer})
+            "train.compile": str(compiled).lower(), "train.compile_scope": scope, "log.peak_tflops": 0.0,
+            "data.tokenizer": tokenizer})
         Trainer(load_config(f"{arch}/tiny", over), log=lambda *_: None).fit()
         losses[compiled] = step_losses(tmp_path / str(compiled) / "run")
     assert sorted(losses[True]) == [1, 2, 3]
