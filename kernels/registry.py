@@ -46,9 +46,11 @@ shapes) is not measured. PRETRAIN_KERNELS_MEASURE=0 (or measuring(False) in code
 static priority everywhere.
 
 paths_used() reports {op: paths that ran} since reset_paths_used(); the trainer and the generator
-print it once. Recording is a set.add: inside a compiled region dynamo keeps the mutation of this
-module-level dict's sets as a side effect and replays it after each run of the graph, so compiled and
-eager runs report alike.
+reset it once, before their first step, and print it. An eager call records itself; a compiled graph
+records its paths once, while it is traced (_note_used is a constant to dynamo, as _choose is), so a
+graph traced before a reset does not report again after it. Recorded as traced code instead, the sets'
+contents became guards: every compiled model was traced again at its second call, and again after
+each reset.
 """
 from __future__ import annotations
 

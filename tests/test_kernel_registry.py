@@ -59,8 +59,9 @@ def test_reported_under_torch_compile(op):
     compiled = torch.compile(lambda x: op(x) + 1, fullgraph=True, backend="aot_eager")
     assert compiled(torch.ones(3)).tolist() == [3.0] * 3
     assert registry.paths_used()["test_scale"] == ["fast"]
-    registry.reset_paths_used()
-    compiled(torch.ones(3))  # a cached graph still reports
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled(torch.ones(3))  # recorded at trace time (registry._note_used): no retrace at the second call
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert registry.paths_used()["test_scale"] == ["fast"]
 
 
