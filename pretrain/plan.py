@@ -273,7 +273,7 @@ def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int)
     whole = spec.activation_bytes(cfg.model, T, mb, parallel.recompute)
     worst, known = 0, whole is not None
     if known and cfg.train.precision in ("auto", "bf16"):  # auto: bf16 on the GPUs the planner plans for
-        whole = bf16_activations(cfg.model, whole, mb * T, spec.bf16_kept)
+        whole = bf16_activations(cfg.model, whole, mb * T, spec.bf16_kept(parallel.recompute))
     for r in stages:
         act = 0.0
         if known:

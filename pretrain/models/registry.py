@@ -139,9 +139,10 @@ class ArchSpec:
     # peak bytes of one micro batch's forward and backward in fp32 (pretrain/plan.py scales it by stage);
     # None from the default: no estimate (the planner shows weights and optimizer state only, "+?")
     activation_bytes: Callable[[Any, int, int, str], int | None] = lambda cfg, seq_len, batch, recompute: None
-    # The share of those bytes, the loss's logits aside, a micro batch keeps under bf16 autocast
-    # (pretrain/plan.py's bf16_activations; tests/test_plan.py measures it under CPU autocast)
-    bf16_kept: float = 0.65
+    # The share of those bytes, the loss's logits aside, a micro batch keeps under bf16 autocast, per recompute
+    # policy: bf16_kept(recompute) (pretrain/plan.py's bf16_activations; tests/test_plan.py measures it under
+    # CPU autocast); 0.65 by default: the residual stream, norms' inputs and softmax statistics stay fp32
+    bf16_kept: Callable[[str], float] = lambda recompute: 0.65
     # A recurrence over positions that training cannot parallelize: serial_loop(cfg, T) -> (dependent
     # steps one micro batch's forward takes, its backward the same; training FLOPs per token run inside
     # those steps, forward and backward). The planner charges each step a latency and runs those FLOPs
