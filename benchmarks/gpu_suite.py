@@ -215,18 +215,17 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
 
 
 def planner_gib(cfg, micro: int, seq_len: int) -> float | None:
-    """What the planner gives this run's one rank at its micro batch (pretrain/plan.py's rank_bytes: the figure
-    `pretrain plan` and the out-of-memory sentence show), beside the measured peak so a GPU run checks the
+    """What the planner gives this run's one rank at its micro batch (pretrain/oom.py's estimate: the figure the
+    out-of-memory sentence and `pretrain plan` show), beside the measured peak so a GPU run checks the
     estimate; None for an architecture without an activation estimate."""
     from dataclasses import replace
 
-    from pretrain.models import get_arch
-    from pretrain.plan import rank_bytes, rank_stages
+    from pretrain.oom import estimate
 
     cfg = replace(cfg, train=replace(cfg.train, micro_batch_seqs=micro, global_batch_seqs=micro),
                   data=replace(cfg.data, seq_len=seq_len))
-    size, known = rank_bytes(cfg, get_arch(cfg.model.arch), rank_stages(cfg, 1), cfg.parallel, 1, micro)
-    return size / 2**30 if known else None
+    found = estimate(cfg, 1)
+    return found.bytes / 2**30 if found.known else None
 
 
 def last_step(path: Path) -> int:

@@ -96,20 +96,11 @@ class Estimate:
         return max((mb for mb, b in self.sizes.items() if fits(b, capacity)), default=0)
 
 
-def micro_batch_options(cfg, dp: int) -> list[int]:
-    """The micro batches that keep the global batch (gradient accumulation): the divisors of its share per
-    data-parallel rank."""
-    from pretrain.plan import divisors
-
-    per_rank = cfg.train.global_batch_seqs // dp
-    return divisors(per_rank, per_rank)
-
-
 def estimate(cfg, dp: int, stages=None) -> Estimate:
     """The planner's bytes for cfg's layout at its micro batch and at every other one it could use.
     `stages`: pretrain.plan.rank_stages(cfg, dp) when already known."""
     from pretrain.models import get_arch
-    from pretrain.plan import rank_bytes
+    from pretrain.plan import micro_batch_options, rank_bytes
 
     spec = get_arch(cfg.model.arch)
     stages = stages if stages is not None else planner_stages(cfg, dp)
@@ -179,7 +170,7 @@ def _no_micro_batch_helps(cfg, activations: bool = True) -> str:
 def explain(cfg, step: int, device: torch.device, dp: int, est: Estimate | None, capacity: int | None = None,
             peak: int | None = None, why_no_estimate: str = "") -> str:
     """The one sentence: `est` None when the planner could not be asked (`why_no_estimate` says why)."""
-    from pretrain.plan import fits
+    from pretrain.plan import fits, micro_batch_options
 
     mb, T = cfg.train.micro_batch_seqs, cfg.data.seq_len
     kind = "GPU" if device.type == "cuda" else device.type.upper()

@@ -182,6 +182,13 @@ def divisors(n: int, limit: int) -> list[int]:
     return [k for k in range(1, min(n, limit) + 1) if n % k == 0]
 
 
+def micro_batch_options(cfg, dp: int) -> list[int]:
+    """The micro batches that keep the global batch (gradient accumulation): every divisor of its share per
+    data-parallel rank, up to the whole share (a position-serial loop pays its latency per micro batch)."""
+    per_rank = cfg.train.global_batch_seqs // dp
+    return divisors(per_rank, per_rank)
+
+
 def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], dict]:
     """Every layout of `gpus` GPUs this config validates under, with its memory and step time; and the
     refusals met ({sentence: count})."""
@@ -215,8 +222,7 @@ def candidates(cfg, gpus: int, hw, memory_gib: float) -> tuple[list[Candidate], 
                     if (tp, pp) not in inventory:  # what each stage holds (the micro batch does not matter here)
                         inventory[(tp, pp)] = dry_run(replace(trial, train=replace(trial.train, micro_batch_seqs=1)),
                                                       tp, pp, dp, shapes=False)
-                    per_rank = cfg.train.global_batch_seqs // dp  # the micro batch is free too, up to the whole
-                    for mb in divisors(per_rank, per_rank):  # batch: a position-serial loop pays per micro batch
+                    for mb in micro_batch_options(cfg, dp):  # the micro batch is free too
                         M = cfg.train.global_batch_seqs // (mb * dp)
                         for v in _virtual_options(spec, cfg.model, pp, M):
                             out.append(_candidate(cfg, spec, hw, memory_gib, inventory[(tp, pp)],
