@@ -11,11 +11,12 @@ import shutil
 import subprocess
 import time
 
-from distributed import free_port
+from distributed import free_ports
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
 INSTALL = "apt-get install -y --no-install-recommends slurmctld slurmd slurm-client munge"
 KILL_WAIT_S = 90  # Slurm's SIGTERM-to-SIGKILL delay: above the checkpoint grace time (60 s)
+START_TRIES = 3  # a port chosen free can be taken before its daemon binds it: start again on new ports
 
 
 def missing_binaries() -> list[str]:
@@ -69,32 +70,63 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
     def start(self) -> "SlurmCluster":
+        for attempt in range(START_TRIES):
+            self._start_once()
+            unbound = self._unbound_daemons()
+            if not unbound:
+                return self
+            self.stop()
+            if attempt == START_TRIES - 1:
+                raise RuntimeError(f"Slurm fixture: {', '.join(unbound)} could not bind its port in "
+                                   f"{START_TRIES} starts (logs in {os.path.join(self.root, 'log')})")
+        return self
+
+    def _unbound_daemons(self) -> list[str]:
+        """Daemons whose log says their listening port was taken. A slurmd in that state still registers
+        and shows IDLE, but slurmctld's messages for it reach the other node (seen in CI: "Registered
+        JobId=... on wrong node n1", then jobs that never finish)."""
+        names = {"slurmctld": "slurmctld.log", "n1": "slurmd-n1.log", "n2": "slurmd-n2.log"}
+        bad = []
+        for name, file in names.items():
+            path = os.path.join(self.root, "log", file)
+            if os.path.exists(path) and "Unable to bind listen port" in open(path, errors="replace").read():
+                bad.append(name)
+        return bad
+
+    def _start_once(self) -> None:
         d = self.root
+        for sub in ("log", "state", "spool"):  # a retry starts from nothing
+            shutil.rmtree(os.path.join(d, sub), ignore_errors=True)
         for sub in ("munge", "run", "log", "state", "spool/n1", "spool/n2", "jobs"):
             os.makedirs(os.path.join(d, sub), exist_ok=True)
         os.chmod(os.path.join(d, "munge"), 0o700)
         os.chmod(os.path.join(d, "run"), 0o755)
         key = os.path.join(d, "munge", "munge.key")
+        if os.path.exists(key):
+            os.chmod(key, 0o600)
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o400)
+        ctld, p1, p2 = free_ports(3)
         with open(self.conf, "w") as f:
-            f.write(self._conf(free_port(), (free_port(), free_port())))
+            f.write(self._conf(ctld, (p1, p2)))
 
         def spawn(name, argv):
             out = open(os.path.join(d, "log", f"{name}.stdout"), "w")
             self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env))
 
-        spawn("munged", ["munged", "-F", f"--socket={d}/run/munge.sock", f"--key-file={key}",
+        sock = f"{d}/run/munge.sock"
+        if os.path.exists(sock):
+            os.remove(sock)
+        spawn("munged", ["munged", "-F", f"--socket={sock}", f"--key-file={key}",
                          f"--pid-file={d}/run/munged.pid", f"--log-file={d}/log/munged.log",
                          f"--seed-file={d}/munge/munged.seed"])
-        self._wait(lambda: os.path.exists(f"{d}/run/munge.sock"), 10, "munged did not create its socket")
+        self._wait(lambda: os.path.exists(sock), 10, "munged did not create its socket")
         spawn("slurmctld", ["slurmctld", "-D", "-f", self.conf])
         spawn("n1", ["slurmd", "-D", "-N", "n1", "-f", self.conf])
         spawn("n2", ["slurmd", "-D", "-N", "n2", "-f", self.conf])
         self._wait(lambda: self.run("scontrol", "show", "nodes", "-o", check=False).stdout.count("State=IDLE ") == 2,
                    60, "the two slurmd nodes did not become IDLE")
-        return self
 
     def _wait(self, cond, timeout, what):
         deadline = time.time() + timeout
