@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from slurm_cluster import INSTALL, SlurmCluster, missing_binaries
+from slurm_cluster import INSTALL, KILL_WAIT_S, SlurmCluster, missing_binaries
 from trainer_helpers import step_losses, tiny_overrides, write_markov_corpus
 
 pytestmark = pytest.mark.slurm
@@ -114,7 +114,10 @@ def test_warning_signal_checkpoints_requeues_and_resumes_identically(cluster, co
     history = [json.loads(x) for x in open(os.path.join(run, "slurm", "history.jsonl"))]
     stop = [h for h in history if h["event"] == "end"][0]
     assert stop["stopped"] and 10 <= stop["end_step"] < 60, history
-    assert [h["start_step"] for h in history if h["event"] == "start"] == [0, stop["end_step"]]
+    starts = [h for h in history if h["event"] == "start"]
+    assert [h["start_step"] for h in starts] == [0, stop["end_step"]]
+    # the requeued job ends at once: its batch shell does not sit out KillWait until Slurm's SIGKILL
+    assert starts[1]["time"] - stop["time"] < KILL_WAIT_S, history
     assert step_losses(run) == step_losses(reference)  # every step, bit for bit
 
 
