@@ -6,6 +6,9 @@ The registry-wide tests (tests/test_registry.py, tests/test_layout_matrix.py) co
 Numerical checks run in float64 at spec §6's tiny shapes (V=64, C=32, 4 heads, T=9..16).
 """
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from pretrain.models.base import EVAL, StepContext
 from pretrain.models.crt import CRT, CRTConfig, convert, flops_per_token, num_passes, paper_formula_params
 
 V, C = 64, 32
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cfg_of(**kw) -> CRTConfig:
@@ -438,6 +442,32 @@ def test_recompute_policies_under_parallel_layouts_equal_one_process(policy, lay
     assert sorted(got) == [1, 2, 3] and got == pytest.approx(want, rel=1e-5)
     for k in single:
         np.testing.assert_allclose(params[k], single[k], rtol=0, atol=2e-5, err_msg=k)
+
+
+def test_under_a_whole_model_torch_compile_the_recurrence_runs_eager():
+    """`recurrence` and `num_passes` are disabled for dynamo lazily (torch._disable_dynamo, so that importing
+    the module does not import dynamo): compiling the whole model still runs the token loop eagerly, with
+    the eager values."""
+    torch._dynamo.reset()
+    model, tokens = model_of(), tokens_of(T=7)
+    eager = parallel(model, tokens, -1)  # eval_k=-1: the exact logits, by the recurrence
+    seen = []
+    trunk_forward = model.trunk.forward
+    model.trunk.forward = lambda *a, **k: (seen.append(torch.compiler.is_compiling()), trunk_forward(*a, **k))[1]
+    compiled = torch.compile(model.logits, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(tokens), eager, rtol=0, atol=1e-12)
+    assert len(seen) == 7 and not any(seen), seen  # one eager trunk call per token, none traced
+    torch._dynamo.reset()
+
+
+def test_importing_the_trainer_and_every_architecture_leaves_dynamo_unimported():
+    """A process that does not compile never pays dynamo's import (about 1 s of CPU at every start)."""
+    code = ("import sys, pretrain.trainer, pretrain.cli; from pretrain.models import all_archs; all_archs(); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_compile_compiles_one_pass_so_every_K_shares_its_graphs():

@@ -273,7 +273,10 @@ class CRT(Whole, Decoder):
         return self.cfg.exact_eval and doc_ids is None and not torch.is_grad_enabled()
 
     # -- the recurrence itself: BPTT training and streaming decode -----------------------------------
-    @torch.compiler.disable  # T single-token steps would unroll into one huge graph; they run eager
+    # T single-token steps would unroll into one huge graph: they run eager. torch._disable_dynamo is
+    # torch.compiler.disable imported at the first call: the decorator would import dynamo with this
+    # module, about 1 s of CPU at every process start, whatever architecture it runs
+    @torch._disable_dynamo
     def recurrence(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Block outputs [B, T, C] computed token by token, differentiably (BPTT: exact gradients of
         the streaming model, spec §2.4); everything that does not depend on the state is hoisted."""
@@ -338,7 +341,7 @@ class CRT(Whole, Decoder):
         return self.head.logits(self.norm(z))
 
 
-@torch.compiler.disable  # a host-side draw: not traced by torch.compile
+@torch._disable_dynamo  # a host-side draw: not traced by torch.compile (lazily, as `recurrence`)
 def num_passes(cfg: CRTConfig, ctx, seq_len: int) -> int:
     """K for a step: U{k_min..k_max} from the step's generator in training (every rank and a resumed
     run draw the same), model.eval_k (0: k_max, -1: T + 1) otherwise; 1 for the roformer."""
