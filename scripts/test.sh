@@ -47,8 +47,8 @@ export TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions" TORCHINDUCTOR_CACHE_D
 export DS_ACCELERATOR=cpu
 # Two pytest-xdist workers, each taking whole files (--dist loadfile: a file's module fixtures, such as the
 # two-node Slurm, start once), the longest files first (tests/conftest.py; --no-loadscope-reorder keeps that
-# order). Much of the suite waits on the processes it starts, so on 2 cores this takes about 0.7x the time
-# of one worker. PYTEST_WORKERS=0 runs everything in this process (pdb, -s).
+# order). Much of the suite waits on the processes it starts, so a second worker puts the second core to
+# work. PYTEST_WORKERS=0 runs everything in this process (pdb, -s).
 .venv/bin/python -m pytest -m "not slow and not gpu" -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
