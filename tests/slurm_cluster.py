@@ -70,16 +70,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
 """
 
     def start(self) -> "SlurmCluster":
-        for attempt in range(START_TRIES):
+        for _ in range(START_TRIES):
             self._start_once()
             unbound = self._unbound_daemons()
             if not unbound:
                 return self
             self.stop()
-            if attempt == START_TRIES - 1:
-                raise RuntimeError(f"Slurm fixture: {', '.join(unbound)} could not bind its port in "
-                                   f"{START_TRIES} starts (logs in {os.path.join(self.root, 'log')})")
-        return self
+        raise RuntimeError(f"Slurm fixture: {', '.join(unbound)} could not bind its port in "
+                           f"{START_TRIES} starts (logs in {os.path.join(self.root, 'log')})")
 
     def _unbound_daemons(self) -> list[str]:
         """Daemons whose log says their listening port was taken. A slurmd in that state still registers
