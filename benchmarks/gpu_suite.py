@@ -36,6 +36,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -126,6 +127,15 @@ def write_data(folder: Path, vocab: int, tokens: int, seed: int = 0) -> tuple[st
 
 
 # -- one row ----------------------------------------------------------------------------------
+def fresh_run_dir(out: Path, name: str) -> Path:
+    """The run directory of row `name` under `out`, emptied. A second suite into the same folder (before
+    and after a change, on one warm machine) would otherwise resume the first one's finished run and
+    train nothing, or be stopped at once by the first run's metrics.jsonl, and report the old figures."""
+    run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return run_dir
+
+
 def row_overrides(row: Row, micro: int, steps: int, data: str, tok: str, run_dir: Path, dry: bool) -> list[str]:
     out = [*row.overrides, f"data.train=[{data}]", "data.valid=[]", "data.split=98,2,0", f"data.tokenizer={tok}",
            f"data.cache_dir={run_dir.parent / 'cache'}", f"train.run_dir={run_dir}", f"train.max_steps={steps}",
@@ -179,7 +189,7 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
     load_config(row.config, row.overrides, check_data=False)  # the paper config and overrides are accepted
     config, cfg, micro, seq_len = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)
-    run_dir = out / "runs" / re.sub(r"[^A-Za-z0-9_.-]", "_", row.name)
+    run_dir = fresh_run_dir(out, row.name)
     steps = args.warmup + args.steps
     overrides = row_overrides(row, micro, steps, data, tok, run_dir, args.dry_run)
     if args.dry_run:
@@ -365,7 +375,7 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
 
     config, cfg, micro, _ = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)
-    run_dir = out / "runs" / ("profile_" + re.sub(r"[^A-Za-z0-9_.-]", "_", row.name))
+    run_dir = fresh_run_dir(out, "profile_" + row.name)
     trainer = Trainer(load_config(config, row_overrides(row, micro, args.warmup + 2, data, tok, run_dir, args.dry_run)))
     cuda = torch.cuda.is_available() and not args.dry_run
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))

@@ -50,3 +50,18 @@ def test_the_last_step_is_read_past_a_torn_line(tmp_path):
     assert last_step(path) == 0  # no file yet: the run has not logged
     path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.9}\n{"step": 3, "lo')
     assert last_step(path) == 2  # the live run's torn last line is skipped, not the run
+
+
+def test_a_second_suite_into_the_same_folder_trains_afresh(tmp_path):
+    # before and after a change on one warm GPU machine, both suites write to one folder: the second must
+    # train its rows and profile again, not resume the first one's finished runs and report their figures
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "transformer", "--dry-run",
+           "--only", "cart/dense-7l", "--profile", "cart/dense-7l", "--steps", "1", "--warmup", "1",
+           "--out", str(tmp_path)]
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"run {attempt}: " + proc.stdout[-2000:] + proc.stderr[-2000:]
+        log = (tmp_path / "log_cart_dense-7l.txt").read_text()
+        assert "already complete" not in log and "resumed from" not in log, log[-1000:]
+        assert "step 2/2" in log, log[-1000:]
+        assert "already complete" not in proc.stdout + proc.stderr  # the in-process profile run trained too
