@@ -454,6 +454,22 @@ def ratios(results: list[dict]) -> list[str]:
     return out
 
 
+def compile_cache() -> str:
+    """Whether inductor's on-disk cache held anything when the suite started: a warm cache (a second suite
+    on one machine) makes the compile column a re-run's figure, lower than a user's first run."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        path = Path(cache_dir())
+    except Exception:  # noqa: BLE001 - an older torch: its default place
+        import getpass
+        import tempfile
+        path = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                    or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    files = sum(1 for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+    return f"inductor cache warm ({files:,} files in {path}: compile times are a re-run's)" if files else \
+        "inductor cache cold (compile times are a first run's)"
+
+
 def header(args) -> str:
     import torch
 
@@ -468,7 +484,7 @@ def header(args) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"### gpu_suite --part {args.part}: {device}, torch {torch.__version__}, Triton {triton_version}, "
             f"commit {commit}, {when}\n\n{args.warmup} warm-up steps, then the median of {args.steps}; "
-            f"cap {args.cap:.0f} s per run.")
+            f"cap {args.cap:.0f} s per run; {args.cache_state}.")
 
 
 def main(argv=None) -> int:
@@ -489,6 +505,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)  # internal: one HF run as a subprocess
     args = p.parse_args(argv)
     args.dry_runs = {}  # a dry run's (config, overrides) -> its result
+    args.cache_state = compile_cache()  # before any run fills it
     sys.path.insert(0, str(ROOT))
     if args.hf_row:
         print("HF_RESULT " + json.dumps(hf_row(**json.loads(args.hf_row))), flush=True)
