@@ -455,19 +455,23 @@ def ratios(results: list[dict]) -> list[str]:
 
 
 def compile_cache() -> str:
-    """Whether inductor's on-disk cache held anything when the suite started: a warm cache (a second suite
-    on one machine) makes the compile column a re-run's figure, lower than a user's first run."""
+    """Whether inductor's and Triton's on-disk caches held anything when the suite started: warm caches (a
+    second suite on one machine) make the compile column a re-run's figure, lower than a user's first run."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-        path = Path(cache_dir())
+        inductor = Path(cache_dir())
     except Exception:  # noqa: BLE001 - an older torch: its default place
         import getpass
         import tempfile
-        path = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                    or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
-    files = sum(1 for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
-    return f"inductor cache warm ({files:,} files in {path}: compile times are a re-run's)" if files else \
-        "inductor cache cold (compile times are a first run's)"
+        inductor = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                        or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    triton = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    files = {name: sum(1 for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+             for name, path in (("inductor", inductor), ("Triton", triton))}
+    if not any(files.values()):
+        return "compile caches cold (compile times are a first run's)"
+    return ("compile caches warm (" + ", ".join(f"{name} {n:,} files" for name, n in files.items())
+            + ": compile times are a re-run's)")
 
 
 def header(args) -> str:

@@ -32,7 +32,7 @@ def test_gpu_suite_dry_run_runs_every_row_and_writes_the_table(tmp_path):
             assert r["planner_gib"] > 0, r  # every architecture has an activation estimate to check on a GPU
     table = (out / "suite_all.md").read_text()
     assert "commit abc1234" in table and table.count("| ok |") == len(results)
-    assert "inductor cache warm" in table or "inductor cache cold" in table  # what the compile column means
+    assert "compile caches warm" in table or "compile caches cold" in table  # what the compile column means
     assert "baseline/s no-mask / HF Llama tokens/s" in table  # the targets' ratios, from this run's figures
     assert results_md.read_text() == "# earlier tables\n\n" + table
 
