@@ -34,7 +34,11 @@ frees. Inside, casts are cached as usual (a weight cast once per region, not onc
 gradient summed through that one cast: what eager autocast always did).
 Parameters and buffers are read where they live (an optimizer updates them in place, so a replay sees
 the new values; a model moved or rebuilt after a capture needs reset(), as each Trainer does); tensors
-made fresh each step must be inputs (GPN's folded matrices and RT's RoPE tables are).
+made fresh each step must be inputs (GPN's folded matrices and RT's RoPE tables are). An input that is
+the very tensor last copied into its buffer in the same step, unchanged since (its version counter), is
+not copied again: GPN's folded matrices, one set a step, feed each of the window's segments. (Not across
+steps: a fused optimizer writes parameters without bumping their versions.) A body that writes into its
+inputs (seen in the warm-up) has them copied at every replay.
 
 Memory: the graphs of one region kind (RT's forward, all layers) and input signature share one set of
 static input and output buffers, and all graphs share one pool for their intermediates. Both are safe
@@ -49,6 +53,7 @@ inside the region) is said once and that region runs eagerly from then on ("on":
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
@@ -66,6 +71,10 @@ class Graph:
     inputs: list
     outputs: list
     replay: Callable[[], None]
+    # the captured function: through its closure, every tensor the graph reads by address (a layer's own
+    # buffers) stays alive as long as the graph does, so a replay never reads freed memory
+    keep: object = None
+    mutates: bool = False  # the body writes into an input: its buffers are copied in at every replay
 
 
 class CudaGraphs:
@@ -157,6 +166,11 @@ class _State:
     eager: dict = field(default_factory=dict)  # region name -> why it runs eagerly (said once)
     said: set = field(default_factory=set)
     replays: int = 0
+    # id(static input buffer) -> (the tensor last copied into it, weakly, and its version then): a replay
+    # in the same step whose input is that same tensor, unchanged, skips the copy (GPN's folded matrices:
+    # one set a step, read by each of its ~45 segments, forward and backward)
+    copied: dict = field(default_factory=dict)
+    copies: int = 0  # input copies made (tests read it)
 
 
 _state = _State()
@@ -243,10 +257,14 @@ def step(mode: str, log: Callable[[str], None] | None = None):
     _state.mode, _state.active = mode, mode != "off"
     if log is not None:
         _state.log = log
+    # the inputs' copy records hold within one step only: a fused optimizer between steps updates the
+    # parameters in place without bumping their version counters (GPN passes its biases through as inputs)
+    _state.copied.clear()
     try:
         yield
     finally:
         _state.mode, _state.active, _state.log = prev
+        _state.copied.clear()
 
 
 def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) -> list:
@@ -276,9 +294,12 @@ def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) 
         if graph is None:
             return fn(*inputs)
         _state.graphs[key] = graph
-    _copy_in(graph.inputs, inputs)
+    _copy_in(graph.inputs, inputs, reuse=not graph.mutates)
     graph.replay()
     _state.replays += 1
+    if graph.mutates:  # its buffers no longer hold what was copied in
+        for buffer in graph.inputs:
+            _state.copied.pop(id(buffer), None)
     return [o.clone() if o is not None else None for o in graph.outputs]
 
 
@@ -295,11 +316,20 @@ def _own_casts(fn: Callable, device_type: str) -> Callable[..., list]:
     return run
 
 
-def _copy_in(static: list, inputs: list) -> None:
+def _copy_in(static: list, inputs: list, reuse: bool = True) -> None:
+    """Each input into its static buffer, unless it is there already: the buffer itself, or (`reuse`) the
+    same tensor as the last one copied in, unchanged since (its version counts in-place writes; the weak
+    reference is alive, so its memory was not handed to another tensor)."""
     with torch.no_grad():  # the buffers never join an autograd graph
         for buffer, t in zip(static, inputs):
-            if buffer.data_ptr() != t.data_ptr():
-                buffer.copy_(t)
+            if buffer.data_ptr() == t.data_ptr():
+                continue
+            last = _state.copied.get(id(buffer))
+            if reuse and last is not None and last[0]() is t and last[1] == t._version:
+                continue
+            buffer.copy_(t)
+            _state.copies += 1
+            _state.copied[id(buffer)] = (weakref.ref(t), t._version)
 
 
 def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
@@ -315,8 +345,10 @@ def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
     buffers; None (said once) when the capture fails under "auto"."""
     try:  # fn empties autocast's cache around each call already (_own_casts)
         static = [_buffer(group, "in", i, t) for i, t in enumerate(inputs)]
-        _copy_in(static, inputs)
+        _copy_in(static, inputs, reuse=False)
+        versions = [t._version for t in static]
         shapes = _state.backend.warmup(fn, static)
+        mutates = [t._version for t in static] != versions  # the warm-up wrote into an input
         outputs = [_buffer(group, "out", i, o) if o is not None else None for i, o in enumerate(shapes)]
         del shapes
 
@@ -333,7 +365,10 @@ def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
         _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
         return None
-    return Graph(static, outputs, replay)
+    if mutates:
+        for buffer in static:
+            _state.copied.pop(id(buffer), None)
+    return Graph(static, outputs, replay, keep=fn, mutates=mutates)
 
 
 def summary() -> str:

@@ -139,6 +139,54 @@ def test_a_region_copies_inputs_in_and_outputs_out_and_recaptures_per_shape(emul
     assert emulated.captures == 3 and len(calls) == n + 1
 
 
+def test_an_unchanged_input_is_copied_in_once_and_a_changed_or_new_one_again(emulated):
+    """GPN's folded matrices feed every segment of a step: the same tensor, unchanged, is not copied into its
+    buffer again; written in place (an optimizer step) or replaced by another tensor, it is."""
+    w = torch.tensor([2.0, 3.0])
+    with captured.step("on", log=lambda *_: None):
+        captured.region("scale", lambda x, w: x * w, [torch.ones(2), w])  # the capture copies both in
+        copies = captured._state.copies
+        out = captured.region("scale", lambda x, w: x * w, [torch.full((2,), 5.0), w])[0]
+        assert out.tolist() == [10.0, 15.0] and captured._state.copies == copies + 1  # x only
+        with torch.no_grad():
+            w.mul_(10)
+        out = captured.region("scale", lambda x, w: x * w, [torch.ones(2), w])[0]
+        assert out.tolist() == [20.0, 30.0] and captured._state.copies == copies + 3  # x and the changed w
+        out = captured.region("scale", lambda x, w: x * w, [torch.ones(2), torch.tensor([1.0, 1.0])])[0]
+        assert out.tolist() == [1.0, 1.0]  # another tensor: copied, although w's record is alive
+        out = captured.region("scale", lambda x, w: x * w, [torch.ones(2), w])[0]
+        assert out.tolist() == [20.0, 30.0]  # w again after another tensor held its buffer
+
+
+def test_a_parameter_updated_by_a_fused_optimizer_is_copied_in_again_at_the_next_step(emulated):
+    """A fused AdamW writes parameters without bumping their version counters, so an input's copy record
+    cannot outlive the step (GPN passes two biases through its folded matrices as inputs)."""
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.AdamW([w], lr=0.5, fused=True)
+    for _ in range(3):
+        with captured.step("on", log=lambda *_: None):
+            for _ in range(2):  # two segments of one step read it
+                out = captured.region("scale", lambda x, w: x * w, [torch.ones(2), w])[0]
+                assert out.tolist() == w.detach().tolist()
+        version = w._version
+        w.grad = torch.ones(2)
+        opt.step()
+        assert w._version == version  # what the record would have trusted
+
+
+def test_a_body_that_writes_into_its_input_has_it_copied_at_every_replay(emulated):
+    def bump(x):
+        x.add_(1)  # writes into its (static) input: a replay leaves the buffer changed
+        return x * 2
+
+    x = torch.zeros(3)
+    with captured.step("on", log=lambda *_: None):
+        for _ in range(4):  # the same tensor, unchanged by the caller, every time
+            out = captured.region("bump", bump, [x])[0]
+            assert out.tolist() == [2.0] * 3, out
+    assert x.tolist() == [0.0] * 3  # the caller's tensor is never written: the buffer is
+
+
 def test_a_failed_capture_is_said_once_and_runs_eagerly_or_stands_when_forced(emulated):
     emulated.fail = RuntimeError("operation not permitted when stream is capturing")  # an op that syncs
     lines = []
@@ -264,6 +312,48 @@ def test_graphed_equals_eager_on_cuda_in_bf16_and_recaptures_on_a_new_shape(arch
                 torch.testing.assert_close(x, y, rtol=5e-2, atol=5e-2)
     assert "backward" in captured.summary() and "forward" in captured.summary(), captured.summary()
     assert len(captured._state.graphs) >= 4  # a forward and a backward graph for each batch size
+    captured.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to capture CUDA graphs")
+@pytest.mark.parametrize("case", ["rt", "rt triton tile", "gpn", "gpn triton memory", "gpn compiled"])
+def test_replays_read_parameters_updated_in_place_and_equal_eager_in_fp32_on_cuda(case):
+    """fp32 without autocast, so a tight tolerance: after a fused AdamW step between steps (in place, no
+    version bump), each replay gives the eager result of the new values, on every path a captured body can
+    take (the PyTorch and Triton RT tiles, GPN's reference, Triton and compiled steps)."""
+    from kernels import registry
+    from pretrain.data.batch import collate
+
+    captured.reset(captured.CudaGraphs())
+    forced = {"rt triton tile": "rt_prefill", "gpn triton memory": "delta_memory_step"}.get(case)
+    if case.startswith("rt"):
+        model, T = test_rt.model_of(dtype=torch.float32, d_model=64, n_heads=4).cuda(), 33
+    else:
+        model, T = test_gpn.model_of(dtype=torch.float32, segment=6).cuda(), 21
+        model.segment_recompute = True
+        if case == "gpn compiled":
+            model.compile()
+    tokens = torch.randint(0, 60, (2, T + 1), generator=torch.Generator().manual_seed(0)).numpy()
+    batch = collate((tokens, tokens * 0), eod_id=None).to(torch.device("cuda"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)  # the trainer's optimizer on CUDA
+    if forced:
+        registry.force(forced, "triton")
+    try:
+        for step in range(3):  # the first captures, the others replay
+            graphed = _loss_and_grads(model, batch, "on")
+            eager = _loss_and_grads(model, batch, "off")
+            torch.testing.assert_close(graphed[0], eager[0], rtol=1e-5, atol=1e-6)
+            for x, y in zip(graphed[1], eager[1]):  # compiled steps may fuse differently in the two runs
+                if x is not None:
+                    torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-5)
+            opt.step()  # in place, far above the tolerance, and without bumping versions: the next replay reads it
+    finally:
+        if forced:
+            registry.force(forced, None)
+    assert captured._state.replays > 0, captured.summary()
+    # each graph keeps what it reads by address alive: its captured function, and through it the layer
+    assert all(graph.keep is not None for graph in captured._state.graphs.values())
     captured.reset()
 
 
