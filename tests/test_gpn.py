@@ -559,6 +559,34 @@ def test_compiling_the_step_keeps_the_loss_and_gradients():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_the_compiled_step_has_one_graph_for_the_forward_and_one_for_the_recompute():
+    """Each graph of the compiled step is a compile on the device's host (seconds to a minute): the no-grad
+    forward, evaluation and the captured segments share one, and every recomputing segment (the first one,
+    whose start state needs no gradient, and a shorter last one) the other. Guards on requires_grad, a
+    Parameter passed through, the step input's strides or its storage offset would each add one."""
+    from torch._dynamo.utils import counters
+
+    from kernels import captured
+
+    model = model_of(torch.float32, segment=6)
+    model.segment_recompute = True
+    model.compile(backend="aot_eager")  # guards are dynamo's, whatever the backend
+    batch = batch_of(T=27)  # segments of 6, 6, 6, 6 and 3 steps
+    before = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        _loss_and_grads(model, batch)
+    with torch.no_grad():
+        model(batch)
+    captured.reset(captured.Emulated())  # the segments' bodies as captured regions read static buffers
+    try:
+        with captured.step("on", log=lambda *_: None):
+            _loss_and_grads(model, batch)
+        assert captured._state.replays > 0
+    finally:
+        captured.reset(captured.CudaGraphs())
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
 def test_evaluation_after_an_optimizer_step_sees_the_new_weights():
     """The folded matrices kept for forwards without autograd are rebuilt after training steps, also
     under a fused AdamW (which does not bump the parameters' version counters)."""

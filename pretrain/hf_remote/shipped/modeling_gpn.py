@@ -744,7 +744,9 @@ class _Segment(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model, W: Folded, n_state: int, keep, cut: bool, *inputs):
         def run(*xs):  # a captured region (kernels/captured.py): tensors in, tensors out
-            state, G, flat, keep_ = _split(xs, n_state, len(inputs), keep is not None)
+            # detached: the step sees tensors without requires_grad, as in evaluation, so a compiled step
+            # (train.compile) serves both with one graph (dynamo's guards tell the two apart otherwise)
+            state, G, flat, keep_ = _split([x.detach() for x in xs], n_state, len(inputs), keep is not None)
             with torch.no_grad():
                 sp, state = model._run(state, G, W.with_tensors(flat), keep_, cut)
             return sp, *state
@@ -764,7 +766,10 @@ class _Segment(torch.autograd.Function):
         def run(*xs):
             state, G, flat, keep_ = _split(xs, n, len(saved), keep is not None)
             gs = iter(xs[len(saved):len(saved) + sum(given)])
-            inputs = [t.detach().requires_grad_(wants) for t, wants in zip([*state, G, *flat], need)]
+            # the state differentiated whether or not its gradient is wanted (the window's first segment's
+            # is not), so a compiled step (train.compile) serves every segment with one graph
+            inputs = [t.detach().requires_grad_(wants or i < n) for i, (t, wants) in enumerate(zip([*state, G, *flat],
+                                                                                                   need))]
             with torch.enable_grad():
                 sp, out = model._run(inputs[:n], inputs[n], W.with_tensors(inputs[n + 1:]), keep_, cut)
             pairs = [(o, next(gs)) for o, has in zip([sp, *out], given) if has]
@@ -772,7 +777,8 @@ class _Segment(torch.autograd.Function):
             wanted = [t for t in inputs if t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                        if pairs and wanted else [None] * len(wanted))
-            return [next(got) if t.requires_grad else None for t in inputs]
+            return [g if wants else None for g, wants in
+                    zip([next(got) if t.requires_grad else None for t in inputs], need)]
 
         with autocast_as(saved[n].device, ctx.autocast):
             grads_in = region(("gpn segment backward", id(model), n, cut, need, given), run,
@@ -811,7 +817,7 @@ class GPN(Whole, nn.Module):
     def compile(self, *args, **kwargs) -> None:
         """torch.compile of the step only (train.compile): the window's loop stays in Python, since
         tracing it would unroll T steps into one graph; each step runs the compiled graph."""
-        self.iterate = torch.compile(self.iterate, *args, **kwargs)
+        self.iterate = torch.compile(self.iterate, *args, **{"dynamic": False, **kwargs})
 
     # -- the loop's matrices ---------------------------------------------------------------------
     def _layer_parts(self, layer: PredictLayer) -> list[tuple[Tensor, Tensor | None, Tensor]]:
@@ -858,8 +864,9 @@ class GPN(Whole, nn.Module):
         key = tuple((p.data_ptr(), p._version) for p in self.parameters())
         cached = getattr(self, "_folded_cache", None)
         if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = (key, self.folded())
+            with torch.no_grad():  # plain tensors, never a Parameter (a bias passes through unfolded): as the
+                folded = self.folded()  # training forward's segments see them, so a compiled step has one graph
+                cached = (key, folded.with_tensors([t.detach() for t in folded.tensors()]))
             self._folded_cache = cached
         return cached[1]
 
@@ -941,10 +948,13 @@ class GPN(Whole, nn.Module):
         the state is zeroed before the step (a document start under model.reset_at_documents); `cut`: the
         first step holds a truncated BPTT boundary."""
         out = []
+        # time first, one copy: each step's g is then contiguous whatever the segment's length and whether G
+        # is a slice of the window or a captured region's buffer, so a compiled step keeps one graph
+        Gt = G.transpose(0, 1).contiguous()
         for t in range(G.shape[1]):
             if keep is not None:
                 state = _kept(state, keep[:, t])
-            state = self.iterate(state, G[:, t], W, cut=cut and t == 0)
+            state = self.iterate(state, Gt[t], W, cut=cut and t == 0)
             out.append(state[2])
         return torch.stack(out, 1), state
 
