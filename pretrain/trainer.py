@@ -100,6 +100,13 @@ def collator_for(data) -> Collator:
     return Collator(eod_id, data.reset_positions, data.mask_cross_document, pad_id)
 
 
+def eager_on_recompile():
+    """Compiled code runs where a graph it already has fits; anything else runs eagerly instead of being
+    compiled (torch >= 2.6; earlier, as usual)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("eager_on_recompile") if set_stance is not None else nullcontext()
+
+
 @torch.no_grad()
 def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, device, autocast=nullcontext,
                   progress=None) -> dict:
@@ -116,7 +123,9 @@ def evaluate_loss(model, dataset, num_samples: int, micro_batch: int, collate, d
     weight = 1.0 if starts else 0.0
     for start in (starts or [0]) if num_samples else []:
         batch = collate(dataset.get_many(range(start, min(num_samples, start + micro_batch)))).to(device)
-        with autocast():
+        # a shorter last batch (a small validation set) runs eagerly rather than compiling the model once
+        # more, for a shape that comes once per evaluation (on a GPU, a whole-model compile is a minute)
+        with autocast(), eager_on_recompile() if batch.tokens.shape[0] < micro_batch else nullcontext():
             loss, diag = model(batch, EVAL)
         if not names and diag:  # loss x tokens, each diagnostic x tokens, tokens
             names = sorted(diag)

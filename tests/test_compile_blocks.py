@@ -126,3 +126,34 @@ def test_the_field_is_checked_and_reaches_the_start_line(tmp_path):
             assert any("compiling the model (train.compile_scope=blocks)" in ln for ln in lines), lines
         losses[scope] = [r["loss"] for r in read_metrics(cfg.train.run_dir) if "loss" in r]
     assert losses["blocks"] == pytest.approx(losses["model"], rel=1e-4), losses
+
+
+def test_a_shorter_last_evaluation_batch_runs_eagerly_instead_of_compiling_again():
+    """A small validation set ends in a shorter batch: run eagerly, not compiled for a shape seen once per
+    evaluation (a whole-model compile on a GPU takes about a minute), with the same loss."""
+    import numpy as np
+
+    from pretrain.data.batch import collate
+    from pretrain.trainer import evaluate_loss
+
+    class Samples:
+        def __init__(self, n, T, V):
+            self.rows = np.random.default_rng(0).integers(5, V, (n, T + 1))
+
+        def get_many(self, indices):
+            return [self.rows[i] for i in indices]
+
+    def collated(samples):
+        rows = np.stack(samples)
+        return collate((rows, rows * 0), eod_id=None)
+
+    eager, _ = model_and_batch("baseline/tiny")
+    compiled, _ = model_and_batch("baseline/tiny")
+    compiled.compile(backend="aot_eager")
+    data = Samples(5, 16, load_config("baseline/tiny", check_data=False).model.vocab_size)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    got = evaluate_loss(compiled, data, 5, 2, collated, torch.device("cpu"))  # batches of 2, 2 and 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1  # the full batches' graph only
+    want = evaluate_loss(eager, data, 5, 2, collated, torch.device("cpu"))
+    assert got["val_tokens"] == want["val_tokens"] == 5 * 16
+    assert abs(got["val_loss"] - want["val_loss"]) < 1e-5
