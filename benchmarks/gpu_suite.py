@@ -509,11 +509,11 @@ def main(argv=None) -> int:
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)  # internal: one HF run as a subprocess
     args = p.parse_args(argv)
     args.dry_runs = {}  # a dry run's (config, overrides) -> its result
-    args.cache_state = compile_cache()  # before any run fills it
     sys.path.insert(0, str(ROOT))
     if args.hf_row:
         print("HF_RESULT " + json.dumps(hf_row(**json.loads(args.hf_row))), flush=True)
         return 0
+    args.cache_state = compile_cache()  # before any run fills it (an HF row's subprocess needs none)
     if not args.out:
         p.error("--out FOLDER is required: the table, the logs and the runs go there")
     if args.steps < 1 or args.warmup < 1:

@@ -265,8 +265,8 @@ class _Segment(torch.autograd.Function):
             wanted = [t for t in inputs if t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                        if pairs and wanted else [None] * len(wanted))
-            return [g if wants else None for g, wants in
-                    zip([next(got) if t.requires_grad else None for t in inputs], need)]
+            computed = [next(got) if t.requires_grad else None for t in inputs]
+            return [g if wants else None for g, wants in zip(computed, need)]  # the start state's when wanted
 
         with captured.autocast_as(saved[n].device, ctx.autocast):
             grads_in = captured.region(("gpn segment backward", id(model), n, cut, need, given), run,

@@ -194,8 +194,7 @@ def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) 
     graph.replay()
     _state.replays += 1
     if graph.mutates:  # its buffers no longer hold what was copied in
-        for buffer in graph.inputs:
-            _state.copied.pop(id(buffer), None)
+        _forget(graph.inputs)
     return [o.clone() if o is not None else None for o in graph.outputs]
 
 
@@ -226,6 +225,12 @@ def _copy_in(static: list, inputs: list, reuse: bool = True) -> None:
             buffer.copy_(t)
             _state.copies += 1
             _state.copied[id(buffer)] = (weakref.ref(t), t._version)
+
+
+def _forget(static: list) -> None:
+    """Drop the copy records of buffers a body wrote into: their next use copies its input in."""
+    for buffer in static:
+        _state.copied.pop(id(buffer), None)
 
 
 def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
@@ -261,9 +266,8 @@ def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
         _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
         return None
-    if mutates:
-        for buffer in static:
-            _state.copied.pop(id(buffer), None)
+    if mutates:  # the warm-up wrote into the buffers
+        _forget(static)
     return Graph(static, outputs, replay, keep=fn, mutates=mutates)
 
 
@@ -777,8 +781,8 @@ class _Segment(torch.autograd.Function):
             wanted = [t for t in inputs if t.requires_grad]
             got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                        if pairs and wanted else [None] * len(wanted))
-            return [g if wants else None for g, wants in
-                    zip([next(got) if t.requires_grad else None for t in inputs], need)]
+            computed = [next(got) if t.requires_grad else None for t in inputs]
+            return [g if wants else None for g, wants in zip(computed, need)]  # the start state's when wanted
 
         with autocast_as(saved[n].device, ctx.autocast):
             grads_in = region(("gpn segment backward", id(model), n, cut, need, given), run,

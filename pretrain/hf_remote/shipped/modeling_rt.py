@@ -475,8 +475,7 @@ def region(name: Hashable, fn: Callable[..., object], inputs: Sequence[Tensor]) 
     graph.replay()
     _state.replays += 1
     if graph.mutates:  # its buffers no longer hold what was copied in
-        for buffer in graph.inputs:
-            _state.copied.pop(id(buffer), None)
+        _forget(graph.inputs)
     return [o.clone() if o is not None else None for o in graph.outputs]
 
 
@@ -507,6 +506,12 @@ def _copy_in(static: list, inputs: list, reuse: bool = True) -> None:
             buffer.copy_(t)
             _state.copies += 1
             _state.copied[id(buffer)] = (weakref.ref(t), t._version)
+
+
+def _forget(static: list) -> None:
+    """Drop the copy records of buffers a body wrote into: their next use copies its input in."""
+    for buffer in static:
+        _state.copied.pop(id(buffer), None)
 
 
 def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
@@ -542,9 +547,8 @@ def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
         _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
         return None
-    if mutates:
-        for buffer in static:
-            _state.copied.pop(id(buffer), None)
+    if mutates:  # the warm-up wrote into the buffers
+        _forget(static)
     return Graph(static, outputs, replay, keep=fn, mutates=mutates)
 
 
