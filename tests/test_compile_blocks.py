@@ -157,3 +157,25 @@ def test_a_shorter_last_evaluation_batch_runs_eagerly_instead_of_compiling_again
     want = evaluate_loss(eager, data, 5, 2, collated, torch.device("cpu"))
     assert got["val_tokens"] == want["val_tokens"] == 5 * 16
     assert abs(got["val_loss"] - want["val_loss"]) < 1e-5
+
+
+# What `train.compile` compiles of each architecture (its `compile`), and RT's Transformer rows, which compile whole
+COMPILED = [f"{arch}/tiny" for arch in ("baseline", "sps", "cart", "crt", "rt", "gpn")] + ["rt/tiny recurrent=false"]
+
+
+@pytest.mark.parametrize("config", COMPILED)
+def test_what_train_compile_compiles_has_no_graph_break(config):
+    """A graph break splits a compiled forward in two, runs the code between eagerly and makes a fullgraph
+    compile fail; torch 2.11 (the GPU image's) broke every Decoder's forward at `Run(a, ctx)` (a dataclass
+    default that was a StepContext), which torch 2.13 traces. Training (forward and backward) and evaluation."""
+    from pretrain.models.base import EVAL
+
+    name, *over = config.split()
+    model, batch = model_and_batch(name, [f"model.{o}" for o in over])
+    model.compile(backend="eager")
+    before = dict(torch._dynamo.utils.counters["graph_break"])  # the counters outlive dynamo.reset
+    loss_and_grads(model, batch)
+    with torch.no_grad():
+        model.eval()(batch, EVAL)
+    breaks = {why: n - before.get(why, 0) for why, n in torch._dynamo.utils.counters["graph_break"].items()}
+    assert not any(breaks.values()), breaks

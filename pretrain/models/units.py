@@ -24,7 +24,7 @@ from typing import Any, Callable
 from torch import Tensor, nn
 
 from parallel.stages import NotOnThisStage
-from pretrain.models.base import EVAL, StepContext
+from pretrain.models.base import StepContext
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Run:
     override at inference (CART's R), and the diagnostics units report."""
 
     attend: Any
-    ctx: StepContext = EVAL
+    ctx: StepContext  # no default: torch 2.11's dynamo cannot wrap a StepContext default (a graph break)
     cache: Any = None
     loops: int | None = None
     diagnostics: dict = field(default_factory=dict)

@@ -636,7 +636,7 @@ class Run:
     override at inference (CART's R), and the diagnostics units report."""
 
     attend: Any
-    ctx: StepContext = EVAL
+    ctx: StepContext  # no default: torch 2.11's dynamo cannot wrap a StepContext default (a graph break)
     cache: Any = None
     loops: int | None = None
     diagnostics: dict = field(default_factory=dict)
@@ -1174,7 +1174,7 @@ class Decoder(Units, nn.Module):
         """The head's input [B, T, d] for tokens [B, T] at positions [B, T] within documents doc_ids (None:
         no document mask); with a decode cache, after its positions (the cache is extended)."""
         x, a = self.inputs(tokens, positions, doc_ids, cache)
-        h = self.readout(self.apply_units(self.embed(x), Run(a, cache=cache)), tokens.shape[1])
+        h = self.readout(self.apply_units(self.embed(x), Run(a, EVAL, cache=cache)), tokens.shape[1])
         if cache is not None:
             cache.length += tokens.shape[1]
         return h
@@ -1182,7 +1182,8 @@ class Decoder(Units, nn.Module):
     def body(self, tokens: Tensor, positions: Tensor, mask: Mask, cache=None, loops: int | None = None) -> Tensor:
         """Hidden states [B, T, d] after the last unit, before the final norm (a model that reads out only
         some positions norms those alone); `loops`: a depth override at inference (CART's R)."""
-        return self.apply_units(self.embed(tokens), Run(self.attend(positions, mask, cache), cache=cache, loops=loops))
+        run = Run(self.attend(positions, mask, cache), EVAL, cache=cache, loops=loops)
+        return self.apply_units(self.embed(tokens), run)
 
     def forward(self, batch, ctx=EVAL) -> tuple[Tensor, dict]:
         """Mean next-token loss over the batch's loss_mask, and the units' diagnostics."""
