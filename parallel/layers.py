@@ -23,10 +23,27 @@ from kernels.norms import at_least_fp32, layer_norm, rms_norm
 from parallel.mesh import layout
 
 
+def trunc_normal_(w: Tensor, std: float, trunc: float) -> Tensor:
+    """Fill w from N(0, std^2), drawing every value outside +-trunc * std again until none is (trunc >= 1:
+    at most a third is redrawn). Written here rather than nn.init.trunc_normal_, whose method changes between
+    releases (an inverse CDF in torch 2.11, this rejection in 2.13): the same seed gives the same weights on
+    any torch, as RT's and GPN's golden curves require. Equal to 2.13's values draw for draw."""
+    if w.is_meta:  # no storage, nothing to draw
+        return w
+    with torch.no_grad():
+        lo, hi = (w.new_tensor(bound, device="cpu").item() for bound in (-trunc * std, trunc * std))
+        w.normal_(0.0, std)
+        while True:
+            outside = (w < lo) | (w > hi)
+            if not outside.any():
+                return w
+            w.copy_(torch.where(outside, torch.empty_like(w).normal_(0.0, std), w))
+
+
 def _normal(std: float, trunc: float = 0.0):
     """Initialiser N(0, std^2), truncated at +-trunc * std when trunc > 0 (OLMo's "mitchell" init)."""
     if trunc:
-        return lambda w: nn.init.trunc_normal_(w, mean=0.0, std=std, a=-trunc * std, b=trunc * std)
+        return lambda w: trunc_normal_(w, std, trunc)
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels.rt_prefill import rt_decode, rt_prefill, schedule
+from parallel.layers import trunc_normal_
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, apply_rope, make_norm, mlp
 from pretrain.models.decoder import Decoder, DecoderConfig, pipeline_split
 from pretrain.hf_remote.adapter import RemoteAdapter
@@ -218,7 +219,7 @@ class RT(Decoder):
         if cfg.init == "mitchell":  # the embedding and the untied head: N(0, 1/d), truncated at 3 sigma
             std = 1.0 / math.sqrt(cfg.d_model)
             for w in {id(p): p for p in (self.embed.weight, self.head.weight)}.values():
-                nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+                trunc_normal_(w, std, 3.0)
 
     def applications(self) -> list[nn.Module]:
         return list(self.blocks)

@@ -851,6 +851,23 @@ def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0, ops: TileOps | Non
 # ------------------------------ parallel/layers.py ------------------------------------------
 
 
+def trunc_normal_(w: Tensor, std: float, trunc: float) -> Tensor:
+    """Fill w from N(0, std^2), drawing every value outside +-trunc * std again until none is (trunc >= 1:
+    at most a third is redrawn). Written here rather than nn.init.trunc_normal_, whose method changes between
+    releases (an inverse CDF in torch 2.11, this rejection in 2.13): the same seed gives the same weights on
+    any torch, as RT's and GPN's golden curves require. Equal to 2.13's values draw for draw."""
+    if w.is_meta:  # no storage, nothing to draw
+        return w
+    with torch.no_grad():
+        lo, hi = (w.new_tensor(bound, device="cpu").item() for bound in (-trunc * std, trunc * std))
+        w.normal_(0.0, std)
+        while True:
+            outside = (w < lo) | (w > hi)
+            if not outside.any():
+                return w
+            w.copy_(torch.where(outside, torch.empty_like(w).normal_(0.0, std), w))
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (bf16 statistics are too coarse).
 
@@ -1976,7 +1993,7 @@ class RT(Decoder):
         if cfg.init == "mitchell":  # the embedding and the untied head: N(0, 1/d), truncated at 3 sigma
             std = 1.0 / math.sqrt(cfg.d_model)
             for w in {id(p): p for p in (self.embed.weight, self.head.weight)}.values():
-                nn.init.trunc_normal_(w, std=std, a=-3 * std, b=3 * std)
+                trunc_normal_(w, std, 3.0)
 
     def applications(self) -> list[nn.Module]:
         return list(self.blocks)
