@@ -132,6 +132,23 @@ def git_revision() -> str:
     return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
+def torchrun_grace_note(grace_s: float, option_strings=None) -> str | None:
+    """A line for the job's output when this torch's torchrun cannot wait the whole checkpoint grace after
+    a stop signal. train.sbatch sets TORCH_ELASTIC_SHUTDOWN_TIMEOUT to the grace plus 30 s; torchruns that
+    read it have a --shutdown-timeout option, older ones (torch 2.11's) kill their workers 30 s after SIGTERM."""
+    if option_strings is None:
+        from torch.distributed.run import get_args_parser
+
+        option_strings = {s for action in get_args_parser()._actions for s in action.option_strings}
+    if "--shutdown-timeout" in option_strings or grace_s <= 30:
+        return None
+    import torch
+
+    return (f"note: torchrun in torch {torch.__version__} kills its workers 30 s after a stop signal, before "
+            f"checkpoint.grace_s={grace_s:g} runs out: a stop checkpoint that takes longer is cut short (the run "
+            "resumes from the one before); LAUNCHER=srun waits the whole grace")
+
+
 def start(config: str, overrides: list[str], max_restarts: int, env=os.environ) -> dict:
     """Checks and records before the training step; returns the shell variables for the script."""
     from pretrain.config import load_config, to_yaml
@@ -158,6 +175,9 @@ def start(config: str, overrides: list[str], max_restarts: int, env=os.environ) 
     with open(os.path.join(run_dir, "slurm", f"job-{job}-{restart}.json"), "w") as f:
         json.dump({**record, "config": config, "overrides": overrides, "resolved_config": to_yaml(cfg)}, f, indent=1)
     append_history(run_dir, record)
+    note = torchrun_grace_note(cfg.checkpoint.grace_s) if env.get("LAUNCHER", "torchrun") == "torchrun" else None
+    if note:
+        print(note, file=sys.stderr)
     return {"RUN_DIR": run_dir, "START_STEP": step, "HEAD_NODE": head, "HEAD_ADDR": addr, "PORT": port,
             "GRACE_S": int(cfg.checkpoint.grace_s)}
 

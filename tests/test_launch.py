@@ -92,6 +92,19 @@ def test_job_start_prints_the_variables_and_records_the_run(tmp_path):
     assert record["git"] and "train:" in record["resolved_config"]
 
 
+def test_a_torchrun_that_cannot_wait_the_grace_is_named_once_at_the_start(tmp_path):
+    """train.sbatch gives torchrun's agents the grace through TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torch 2.11's
+    torchrun has no such setting (nor the --shutdown-timeout flag, which it refused: every Slurm torchrun job
+    failed) and kills its workers 30 s after SIGTERM. The start line says so where that cuts the grace."""
+    old = {"--nnodes", "--max-restarts"}  # a torchrun without --shutdown-timeout
+    note = slurm_job.torchrun_grace_note(60.0, old)
+    assert note.startswith("note: torchrun in torch ") and "checkpoint.grace_s=60" in note and "LAUNCHER=srun" in note
+    assert slurm_job.torchrun_grace_note(30.0, old) is None  # the grace fits in its 30 s
+    assert slurm_job.torchrun_grace_note(60.0, old | {"--shutdown-timeout"}) is None
+    res = _start(tmp_path, tmp_path / "run")  # 2.13's torchrun reads the variable: nothing to say there
+    assert res.returncode == 0 and ("note:" in res.stderr) == (slurm_job.torchrun_grace_note(60.0) is not None)
+
+
 def test_a_port_in_use_is_reported(tmp_path):
     with socket.socket() as s:
         s.bind(("", 0))
