@@ -136,11 +136,13 @@ def torchrun_grace_note(grace_s: float, option_strings=None) -> str | None:
     """A line for the job's output when this torch's torchrun cannot wait the whole checkpoint grace after
     a stop signal. train.sbatch sets TORCH_ELASTIC_SHUTDOWN_TIMEOUT to the grace plus 30 s; torchruns that
     read it have a --shutdown-timeout option, older ones (torch 2.11's) kill their workers 30 s after SIGTERM."""
+    if grace_s <= 30:  # fits in any torchrun's wait: no need to build its parser
+        return None
     if option_strings is None:
         from torch.distributed.run import get_args_parser
 
         option_strings = {s for action in get_args_parser()._actions for s in action.option_strings}
-    if "--shutdown-timeout" in option_strings or grace_s <= 30:
+    if "--shutdown-timeout" in option_strings:
         return None
     import torch
 

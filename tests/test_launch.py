@@ -92,7 +92,7 @@ def test_job_start_prints_the_variables_and_records_the_run(tmp_path):
     assert record["git"] and "train:" in record["resolved_config"]
 
 
-def test_a_torchrun_that_cannot_wait_the_grace_is_named_once_at_the_start(tmp_path):
+def test_a_torchrun_that_cannot_wait_the_grace_is_named_at_the_start(tmp_path):
     """train.sbatch gives torchrun's agents the grace through TORCH_ELASTIC_SHUTDOWN_TIMEOUT; torch 2.11's
     torchrun has no such setting (nor the --shutdown-timeout flag, which it refused: every Slurm torchrun job
     failed) and kills its workers 30 s after SIGTERM. The start line says so where that cuts the grace."""
