@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.triton_support import flash_tiles, pow2_block
+
 LOG2E = 1.4426950408889634
 
 
@@ -227,12 +229,12 @@ def _bstride(t: Tensor) -> int:
     return 0 if t.shape[0] == 1 else t.stride(0)
 
 
-def _launch_shape(q: Tensor, block_q: int) -> tuple[int, int, str, int, int]:
+def _launch_shape(q: Tensor) -> tuple[int, int, str, int, int]:
+    """(D, BD, products, warps, stages); warps and stages by FLASH_TILES on a GPU (the interpreter ignores them)."""
     D = q.shape[-1]
-    BD = max(16, triton.next_power_of_2(D))
     prec = "ieee" if q.dtype == torch.float32 else "up" if q.device.type == "cpu" else "tf32"  # (tf32: unread)
-    warps = 4 if BD <= 64 else 8
-    return D, BD, prec, warps, 1 if q.device.type == "cpu" else 2
+    _, _, warps, stages = flash_tiles(D, q.dtype != torch.float32)
+    return D, pow2_block(D), prec, warps, stages
 
 
 def _dense_like(t: Tensor) -> Tensor:
@@ -269,7 +271,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, runs: Tensor, q_pn: 
     """(out [B, H, Tq, D], log2-sum-exp [B, H, Tq] fp32). q, k, v contiguous in their last dimension."""
     B, H, Tq, _ = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
-    D, BD, prec, warps, stages = _launch_shape(q, block_q)
+    D, BD, prec, warps, stages = _launch_shape(q)
     out, lse = _forward_outputs(q)
     grid = (triton.cdiv(Tq, block_q), B * H)
     _fwd[grid](q, k, v, out, lse, runs, q_pn, q_pi, q_fn, q_fi,
@@ -292,7 +294,7 @@ def block_sparse_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor,
                                     block_q: int, block_k: int) -> tuple[Tensor, Tensor, Tensor]:
     B, H, Tq, _ = q.shape
     H_kv, Tk = k.shape[1], k.shape[2]
-    D, BD, prec, warps, stages = _launch_shape(q, block_q)
+    D, BD, prec, warps, stages = _launch_shape(q)
     do, lse = do.contiguous(), lse.contiguous()  # the kernels index lse and delta as [B * H * Tq]
     delta = (do.float() * out.float()).sum(-1).contiguous()  # rowsum(dO * O), the softmax backward's correction
     dq, dk, dv = _backward_outputs(q, k, v)

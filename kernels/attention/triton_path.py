@@ -7,8 +7,10 @@ interpreter (TRITON_INTERPRET=1), which is how the tests check them; there the p
 is forced, never picked on its own. Triton is imported on the first call, so a machine without it pays
 nothing.
 
-Tiles are 64 x 64 on a GPU (one size for the forward and both backward kernels, so they share the tile
-lists) and 16 x 16 in the interpreter (small shapes, many tiles of every kind).
+On a GPU the tiles (one size for the forward and both backward kernels, so they share the tile lists),
+warps and stages come from kernels/triton_support.FLASH_TILES by head dim and dtype: 64 x 64 for 16-bit
+inputs up to head dim 128, smaller where larger tiles would spill registers or overflow shared memory.
+In the interpreter they are 16 x 16 (small shapes, many tiles of every kind).
 """
 from __future__ import annotations
 
@@ -18,13 +20,14 @@ from torch import Tensor
 from kernels.attention.masks import Mask
 from kernels.attention.reference import check_heads
 from kernels.attention.runs import tile_lists
-from kernels.triton_support import HAVE_TRITON, interpreting
+from kernels.triton_support import HAVE_TRITON, flash_tiles, interpreting
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def blocks(q: Tensor) -> tuple[int, int]:
-    return (64, 64) if q.is_cuda else (16, 16)
+    """(query block, key block) of the kernels and the tile lists."""
+    return flash_tiles(q.shape[-1], q.dtype != torch.float32)[:2] if q.is_cuda else (16, 16)
 
 
 def refusal(q: Tensor, k: Tensor, v: Tensor, mask: Mask, offset: int = 0, scale: float | None = None,

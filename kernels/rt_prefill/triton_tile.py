@@ -13,7 +13,8 @@ loops over the tile's keys in blocks and writes the state back. The backward is 
 restricted to the tile: one kernel per key block accumulates dk, dv over the query blocks, another per
 query block accumulates dq. Scaled queries and the softmax state are fp32 (tiled.py's accumulators);
 keys and values of any float dtype are widened to fp32, and products are IEEE fp32, so the kernels agree
-with the PyTorch tile to rounding. Blocks: 16 to 64 rows (tl.dot needs 16), rows past a tile masked;
+with the PyTorch tile to rounding. Blocks: 16 to 32 rows (kernels/triton_support.FLASH_TILES' fp32 entry:
+64 spilled 6.7 KB of registers a thread at head dim 64; tl.dot needs 16), rows past a tile masked;
 tiles of P < 16 keys are where the leaf-block variant (leaf = 16: every query reads its own leaf's keys
 directly) saves launches: N = 512 runs 31 tiles instead of 511.
 """
@@ -25,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.rt_prefill import tiled
+from kernels.triton_support import flash_tiles, pow2_block
 
 
 @triton.jit
@@ -150,8 +152,11 @@ def _rt_bwd_q(QS, K, V, G, DL, LSE, SLOPES, DQ, sqb, sqh, sqt, skb, skh, skt, sv
     tl.store(DQ + bh * nq * D + rows[:, None] * D + dd[None, :], dq, mask=q_ok)
 
 
-def _block(n: int) -> int:
-    return min(64, max(16, triton.next_power_of_2(n)))
+def _launch(nq: int, nk: int, head_dim: int) -> dict:
+    """Blocks, warps and stages: FLASH_TILES' fp32 entry (IEEE products), blocks no larger than the tile."""
+    bm, bn, warps, stages = flash_tiles(head_dim, sixteen_bit=False)
+    return dict(BM=min(bm, pow2_block(nq)), BN=min(bn, pow2_block(nk)), BD=pow2_block(head_dim), num_warps=warps,
+                num_stages=stages)
 
 
 def _s3(t: Tensor) -> tuple[int, int, int]:
@@ -173,11 +178,10 @@ def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tenso
     nk = k.shape[2]
     if nq == 0 or nk == 0:
         return
-    BM, BN = _block(nq), _block(nk)
-    _rt_fwd[(triton.cdiv(nq, BM), B * H)](
+    meta = _launch(nq, nk, D)
+    _rt_fwd[(triton.cdiv(nq, meta["BM"]), B * H)](
         qs, k, v, m, l, O, slopes if slopes is not None else qs, *_s3(qs), *_s3(k), *_s3(v), *_s3(m), *_s3(l),
-        *_s3(O), H, nq, nk, D, q0, k0, HAS_ALIBI=slopes is not None, BM=BM, BN=BN,
-        BD=max(16, triton.next_power_of_2(D)))
+        *_s3(O), H, nq, nk, D, q0, k0, HAS_ALIBI=slopes is not None, **meta)
 
 
 def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -187,12 +191,11 @@ def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, T
     dq = torch.empty(B, H, nq, Dh, device=qs.device, dtype=torch.float32)
     dk = torch.empty(B, H, nk, Dh, device=qs.device, dtype=torch.float32)
     dv = torch.empty_like(dk)
-    BM, BN, BD = _block(nq), _block(nk), max(16, triton.next_power_of_2(Dh))
     args = (qs, k, v, g, D, lse, slopes if slopes is not None else qs)
     strides = (*_s3(qs), *_s3(k), *_s3(v), *_s3(g), *_s3(D), *_s3(lse))
-    meta = dict(HAS_ALIBI=slopes is not None, BM=BM, BN=BN, BD=BD)
-    _rt_bwd_kv[(triton.cdiv(nk, BN), B * H)](*args, dk, dv, *strides, H, nq, nk, Dh, q0, k0, **meta)
-    _rt_bwd_q[(triton.cdiv(nq, BM), B * H)](*args, dq, *strides, H, nq, nk, Dh, q0, k0, **meta)
+    meta = dict(HAS_ALIBI=slopes is not None, **_launch(nq, nk, Dh))
+    _rt_bwd_kv[(triton.cdiv(nk, meta["BN"]), B * H)](*args, dk, dv, *strides, H, nq, nk, Dh, q0, k0, **meta)
+    _rt_bwd_q[(triton.cdiv(nq, meta["BM"]), B * H)](*args, dq, *strides, H, nq, nk, Dh, q0, k0, **meta)
     return dq, dk, dv
 
 
