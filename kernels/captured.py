@@ -60,6 +60,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MODES = ("auto", "on", "off")
 WARMUP = 2  # eager runs on a side stream before a capture
@@ -131,10 +132,27 @@ class CudaGraphs:
         return graph.replay
 
 
+class _CaptureRules(TorchDispatchMode):
+    """What a CUDA graph capture cannot hold, refused where the emulated backend captures, so a CPU test
+    finds it: an op that reads tensor data on the host (.item(), a comparison returning a bool: a device
+    sync, which fails the capture) or whose output shape depends on the data (nonzero, masked_select)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tags = func.tags
+        if torch.Tag.data_dependent_output in tags or func is torch.ops.aten._local_scalar_dense.default:
+            why = "reads tensor data on the host (a device sync)"
+        elif torch.Tag.dynamic_output_shape in tags:
+            why = "has an output shape that depends on tensor data"
+        else:
+            return func(*args, **(kwargs or {}))
+        raise RuntimeError(f"{func.name()} {why}: a CUDA graph cannot capture it")
+
+
 class Emulated:
     """A stand-in backend for CPU tests: the same shared static buffers, copies in and out, and a replay that
     reruns the captured body (so a result kept past the next replay shows as overwritten, as with a real
-    graph). `fail`: an exception every capture raises (a capture that breaks)."""
+    graph). Its captures refuse what a real one cannot hold (_CaptureRules). `fail`: an exception every
+    capture raises (a capture that breaks)."""
 
     def __init__(self, device_type: str = "cpu"):
         self.device_type, self.captures, self.pool_bytes, self.fail = device_type, 0, 0, None
@@ -149,7 +167,8 @@ class Emulated:
         if self.fail is not None:
             raise self.fail
         self.captures += 1
-        body()
+        with _CaptureRules():
+            body()
         return body
 
 

@@ -200,6 +200,23 @@ def test_a_failed_capture_is_said_once_and_runs_eagerly_or_stands_when_forced(em
         captured.region(("loop", 1), lambda x: x + 1, [torch.zeros(3)])
 
 
+@pytest.mark.parametrize("body, why", [
+    (lambda t: t * float(t.sum().item()), "reads tensor data on the host"),
+    (lambda t: t * bool((t > 2).any()), "reads tensor data on the host"),
+    (lambda t: t[t > 1].sum() + t, "depends on tensor data"),
+], ids=["item", "bool", "masked-select"])
+def test_the_emulated_capture_refuses_what_a_cuda_graph_cannot_hold(emulated, body, why):
+    """A host read (a sync) or a data-dependent shape in a region fails its capture on a GPU (the gpu test
+    below); the emulated backend refuses the same, so the CPU tests of RT's and GPN's regions (all passing
+    through it) would find one: said once, then eager, with the eager result."""
+    lines, x = [], torch.arange(4.0)
+    with captured.step("auto", log=lines.append):
+        for _ in range(3):
+            torch.testing.assert_close(captured.region("syncing", body, [x])[0], body(x))
+    assert len(lines) == 1 and "syncing runs eagerly from now on" in lines[0] and why in lines[0], lines
+    assert "a CUDA graph cannot capture it" in lines[0]
+
+
 # -- the run: a line once, a forced capture refused before any work ----------------------------------------
 def test_check_says_what_runs_and_refuses_a_forced_capture_that_cannot_run():
     captured.reset(captured.CudaGraphs())
