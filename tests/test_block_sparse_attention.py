@@ -5,7 +5,8 @@
   their tile classes agree with the dense mask; a mask with more runs than it declares fails loudly.
 * The Triton kernels (triton_kernels.py) under TRITON_INTERPRET=1, forced: outputs and dq, dk, dv equal
   the float64 reference at odd shapes (T in 1, 7, 33, 130; head dims 16 and 64; GQA; packed documents
-  with a one-token document; windows; decode offsets; every SPS variant), fp32 within 1e-5, bf16 inputs
+  with a one-token document; windows; decode offsets; every SPS variant; the GPU's tile sizes too), fp32
+  within 1e-5, bf16 inputs
   within 2e-2 (bf16's own rounding of the probabilities); under torch.compile the dispatcher reports
   the path; unforced, the kernel is never picked on a CPU.
 * FlexAttention on a CPU: serves forwards without a backward from FLEX_MIN_KEYS keys on, equals the
@@ -180,6 +181,19 @@ def test_triton_bf16_inputs_accumulate_in_fp32(interpreted, kind):
     T = 33
     mask = sps_mask("sps", T) if kind == "sps" else decoder(kind, 2, 2 * T)
     check_against_reference(*qkv(2, 4, 2, 2 * T, 2 * T, 64, seed=3), mask, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype, Dh", [(torch.bfloat16, 128), (torch.bfloat16, 136), (torch.float32, 64),
+                                       (torch.float32, 90)])
+def test_triton_equals_the_reference_at_the_gpus_tiles(interpreted, monkeypatch, dtype, Dh):
+    """The tiles a GPU launches (kernels/triton_support.FLASH_TILES: 64 x 32, 32 x 32, 16 x 16 by dtype and
+    head dim; the interpreter's own are 16 x 16), run here at a head dim that masks part of the head block."""
+    from kernels.triton_support import flash_tiles
+
+    tiles = flash_tiles(Dh, dtype != torch.float32)[:2]
+    monkeypatch.setattr(triton_path, "blocks", lambda q: tiles)
+    T = 2 * tiles[0] + 5  # partial, full and empty tiles of both sizes, and a ragged last block
+    check_against_reference(*qkv(1, 2, 1, T, T, Dh, seed=Dh), decoder("causal+doc", 1, T), dtype=dtype)
 
 
 def test_triton_under_torch_compile_reports_the_path(interpreted):
