@@ -6,9 +6,8 @@
 * The Triton kernels (triton_kernels.py) under TRITON_INTERPRET=1, forced: outputs and dq, dk, dv equal
   the float64 reference at odd shapes (T in 1, 7, 33, 130; head dims 16 and 64; GQA; packed documents
   with a one-token document; windows; decode offsets; every SPS variant; the GPU's tile sizes too), fp32
-  within 1e-5, bf16 inputs
-  within 2e-2 (bf16's own rounding of the probabilities); under torch.compile the dispatcher reports
-  the path; unforced, the kernel is never picked on a CPU.
+  within 1e-5, bf16 inputs within 2e-2 (bf16's own rounding of the probabilities); under torch.compile
+  the dispatcher reports the path; unforced, the kernel is never picked on a CPU.
 * FlexAttention on a CPU: serves forwards without a backward from FLEX_MIN_KEYS keys on, equals the
   reference there (also an SPS model's logits), and is never picked for training.
 """
