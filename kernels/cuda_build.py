@@ -112,15 +112,14 @@ def launches(v: Variant) -> list[tuple]:
 
         if v.op == "attention":
             from kernels.attention import triton_kernels as tk
+            from kernels.attention.triton_path import blocks
 
             (D,), (B, H, T) = v.dims, (2, 12, 1024)
             q, k, val = (t(B, T, H, D).transpose(1, 2) for _ in range(3))  # the models' [B, T, H, D] views
             n = T // 16  # tile lists: their sizes are not compiled in, only their dtype
             lists = [t(1, n, dtype=torch.int32), t(1, n, n, dtype=torch.int32)] * 2
             runs = t(1, T, ATTENTION_RUNS, 2, dtype=torch.int32)
-            from kernels.attention.triton_path import blocks
-
-            bq, bk = blocks(q)
+            bq, bk = blocks(q)  # the tiles a GPU picks for this dtype and head dim
             out, lse = tk.block_sparse_attention._init_fn(q, k, val, runs, *lists, *lists, D ** -0.5, bq, bk)
             tk.block_sparse_attention_backward._init_fn(t(B, H, T, D), q, k, val, out, lse, runs, *lists, *lists,
                                                         D ** -0.5, bq, bk)
