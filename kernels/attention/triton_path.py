@@ -9,7 +9,7 @@ nothing.
 
 On a GPU the tiles (one size for the forward and both backward kernels, so they share the tile lists),
 warps and stages come from kernels/triton_support.FLASH_TILES by head dim and dtype: 64 x 64 for 16-bit
-inputs up to head dim 128, smaller where larger tiles would spill registers or overflow shared memory.
+inputs up to head dim 64, smaller where larger tiles would spill registers or overflow shared memory.
 In the interpreter they are 16 x 16 (small shapes, many tiles of every kind).
 """
 from __future__ import annotations
