@@ -4,7 +4,7 @@
 #   suite    the suite's part $1 (default transformer; serial: 3 timed steps a row, cap 100 s)
 #   profile  a torch.profiler capture of baseline/s without masks (serial: RT with graphs; PROFILE_ROW)
 #   layer    serial only: bench_rt_layer.py, one RT layer against the batch beside spec-003 §3.7's table
-#   tests    the gpu-marked tests, and the Triton kernels' tests on CUDA
+#   tests    the gpu-marked tests, the Triton kernels' tests on CUDA, the attention paths' (not flex)
 # The transformer part takes about 9 minutes; the serial part's suite alone about 9, so run it as two calls:
 # STAGES=suite, then STAGES=layer,tests,profile. Each stage has its own timeout, so one slow stage cannot take
 # the rest. Results go to $OUT (default ./gpu_out): suite.log, suite_<part>.md/.json, profile_*.txt,
@@ -39,7 +39,10 @@ if has tests; then
   echo "gpu tests: rc $?"
   # the Triton kernels' tests run on CUDA when Triton's interpreter is off (it is, with a GPU: tests/conftest.py)
   timeout "${KERNEL_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_delta_memory_triton.py \
-    >> "$OUT/gpu_tests.log" 2>&1; echo "kernel tests: rc $?"; tail -3 "$OUT/gpu_tests.log"
+    >> "$OUT/gpu_tests.log" 2>&1; echo "kernel tests: rc $?"
+  # the attention paths and the RT tile on the device; FlexAttention's compiles would not fit the stage's time
+  timeout "${ATTN_TESTS_S:-80}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_attention.py \
+    -k "not flex" >> "$OUT/gpu_tests.log" 2>&1; echo "attention tests: rc $?"; tail -3 "$OUT/gpu_tests.log"
 fi
 grep -E "^\| |^- " "$OUT/suite_$PART.md" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C /tmp --exclude suite/runs --exclude suite/data suite prof.log 2>/dev/null

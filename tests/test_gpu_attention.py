@@ -106,7 +106,7 @@ def _sps(T, B):
 def test_block_sparse_paths_on_cuda_match_the_float64_reference(path, dtype, kind, offset):
     """The Triton kernel and FlexAttention on the device, forward and backward (the CPU tests run the
     Triton kernel interpreted and FlexAttention forward only)."""
-    B, H, H_kv, Dh = 2, 4, 2, 64
+    B = 2
     if kind == "sps":
         if offset:
             pytest.skip("the SPS training mask has no decode offset (decode uses its ring cache)")
@@ -115,6 +115,21 @@ def test_block_sparse_paths_on_cuda_match_the_float64_reference(path, dtype, kin
     else:
         Tq, Tk = 131 - offset, 131
         mask = mask_of(kind, docs(B, Tk), B)
+    _check_path(path, dtype, mask, B, Tq, Tk, offset, 64)
+
+
+@pytest.mark.parametrize("dtype, Dh", [(torch.bfloat16, 128), (torch.bfloat16, 136), (torch.float32, 90),
+                                       (torch.float32, 256)])
+def test_the_triton_kernels_at_each_tile_configuration_on_cuda(dtype, Dh):
+    """kernels/triton_support.FLASH_TILES' other entries (64 x 32, 32 x 32, 16 x 16 with 1 or 2 stages), which
+    kernels/cuda_build.py compiles on a CPU and the interpreter runs at their sizes: here on the device."""
+    B, T = 2, 200
+    _check_path("triton", dtype, mask_of("causal+doc", docs(B, T), B), B, T, T, 0, Dh)
+
+
+def _check_path(path, dtype, mask, B, Tq, Tk, offset, Dh):
+    """The forced path's output and input gradients against the float64 reference, on the device."""
+    H, H_kv = 4, 2
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(B, H, Tq, Dh, device="cuda", generator=g)
     k, v = (torch.randn(B, H_kv, Tk, Dh, device="cuda", generator=g) for _ in range(2))
