@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 # the largest dynamic shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes
-SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
-ARCH_NAMES = {80: "A100", 86: "A40, A6000", 89: "L40S, L4", 90: "H100, H200"}
+SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448}
+ARCH_NAMES = {80: "A100", 86: "A40, A6000", 89: "L40S, L4", 90: "H100, H200", 100: "B200"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (16, 32, 64, 128, 256)  # one per head-dim block the kernels compile (a head dim of 90 runs BD 128)
 ATTENTION_RUNS = 2  # R: the most column runs any of the project's masks declares (SPS's SlotMask)
@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kernels.cuda_build", description=__doc__.split("\n\n")[0],
                                 epilog="Run it before a GPU window, and after changing a kernel or its launch code.")
     p.add_argument("--arch", type=int, action="append", choices=sorted(SHARED_LIMIT),
-                   help="compute capability without the dot (90: H100/H200, 80: A100); repeatable; default 90")
+                   help="compute capability without the dot (90: H100/H200, 80: A100, 100: B200); repeatable; "
+                        "default 90")
     p.add_argument("--op", action="append", choices=("attention", "rt_tile", "delta_memory"),
                    help="only this kernel op (repeatable); default all")
     p.add_argument("--dtype", action="append", choices=sorted(DTYPES), help="only this input dtype (repeatable)")
