@@ -6,9 +6,10 @@
 Each launch configuration the project's kernels choose (dtype, head-dim block, tiles, warps, pipeline
 stages) is compiled by Triton for a GPU architecture, and its resources are read from the compiled
 binary: the shared memory it needs against the device's limit (over it, the launch fails on the GPU with
-"out of resource: shared memory") and the registers and per-thread stack, where ptxas puts the
-registers it spills (slow: every spilled value goes through local memory). The Triton interpreter the
-tests run on a CPU checks none of this.
+"out of resource: shared memory"); the registers and the per-thread stack, where ptxas puts the
+registers it spills (slow: every spilled value goes through local memory); and the blocks an SM holds
+at once (occupancy, by CUDA's occupancy rules). The Triton interpreter the tests run on a CPU checks
+none of this.
 
 How: Triton's compiler needs a target, not a GPU. A stand-in driver names the target; the real launch
 code (the custom ops' bodies, the RT tile functions) runs on fake CUDA tensors (FakeTensorMode allocates
@@ -36,6 +37,9 @@ import torch
 # the largest dynamic shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin), bytes
 SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448}
 ARCH_NAMES = {80: "A100", 86: "A40, A6000", 89: "L40S, L4", 90: "H100, H200", 100: "B200"}
+# per SM: (shared memory bytes, resident threads, resident blocks); 64K registers on each of these
+SM_LIMITS = {80: (167_936, 2048, 32), 86: (102_400, 1536, 16), 89: (102_400, 1536, 24), 90: (233_472, 2048, 32),
+             100: (233_472, 2048, 32)}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (16, 32, 64, 128, 256)  # one per head-dim block the kernels compile (a head dim of 90 runs BD 128)
 ATTENTION_RUNS = 2  # R: the most column runs any of the project's masks declares (SPS's SlotMask)
@@ -155,6 +159,7 @@ class Built:
     shared: int = -1  # dynamic shared memory, bytes
     registers: int = -1  # per thread
     stack: int = -1  # per-thread stack bytes: spilled registers
+    warps: int = 4
     seconds: float = 0.0
     error: str = ""
 
@@ -167,6 +172,15 @@ class Built:
         if max_stack is not None and self.stack > max_stack:
             return f"spills: {self.stack} bytes a thread, over --max-stack {max_stack}"
         return "ok"
+
+    def blocks_per_sm(self, arch: int) -> int:
+        """Resident blocks per SM, as CUDA's occupancy calculator counts them: registers (allocated per warp in
+        units of 256), shared memory (plus the 1 KiB the runtime reserves per block), threads, the block cap."""
+        if self.registers < 0 or self.shared < 0:
+            return -1
+        smem, threads, cap = SM_LIMITS[arch]
+        per_warp = -(-self.registers * 32 // 256) * 256
+        return min(65_536 // per_warp // self.warps, smem // (self.shared + 1024), threads // (32 * self.warps), cap)
 
 
 def _cuobjdump() -> str | None:
@@ -200,7 +214,7 @@ def build(v: Variant, arch: int) -> list[Built]:
             consts = {k: val for k, val in kw.items() if k not in ("num_warps", "num_stages")}
             config = (" ".join(f"{k}={val}" for k, val in consts.items())
                       + f" warps={kw.get('num_warps', 4)} stages={kw.get('num_stages', 3)}")
-            b = Built(v.name, kernel.fn.__name__, config)
+            b = Built(v.name, kernel.fn.__name__, config, warps=kw.get("num_warps", 4))
             t0 = time.perf_counter()
             try:  # dtypes in place of tensors: warmup wraps them as Triton's MockTensor, 16-byte aligned
                 compiled = kernel.warmup(*[a.dtype if isinstance(a, torch.Tensor) else a for a in args],
@@ -221,11 +235,11 @@ def table(rows: list[Built], arch: int, max_stack: int | None) -> str:
 
     lines = [f"Triton {triton.__version__} for sm_{arch} ({ARCH_NAMES.get(arch, 'CUDA')}; shared memory limit "
              f"{SHARED_LIMIT[arch] / 1024:.0f} KiB a block)", "",
-             "| variant | kernel | configuration | shared KiB | registers | stack bytes | verdict |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | kernel | configuration | shared KiB | registers | stack bytes | blocks/SM | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
     for b in rows:
         lines.append(f"| {b.variant} | {b.kernel} | {b.config} | {b.shared / 1024:.1f} | {b.registers} | {b.stack} "
-                     f"| {b.verdict(arch, max_stack)} |")
+                     f"| {b.blocks_per_sm(arch)} | {b.verdict(arch, max_stack)} |")
     return "\n".join(lines)
 
 
@@ -255,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += build(v, arch)
         print(table(rows, arch, args.max_stack) + "\n", flush=True)
         failed += sum(b.verdict(arch, args.max_stack) != "ok" for b in rows)
-        dump += [{**asdict(b), "arch": arch, "verdict": b.verdict(arch, args.max_stack)} for b in rows]
+        dump += [{**asdict(b), "arch": arch, "verdict": b.verdict(arch, args.max_stack),
+                  "blocks_per_sm": b.blocks_per_sm(arch)} for b in rows]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dump, f, indent=1)
