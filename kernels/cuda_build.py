@@ -169,6 +169,8 @@ class Built:
         if self.shared > SHARED_LIMIT[arch]:
             return (f"does not fit: {self.shared / 1024:.0f} KiB of shared memory, sm_{arch} has "
                     f"{SHARED_LIMIT[arch] / 1024:.0f} KiB")
+        if self.blocks_per_sm(arch) == 0:
+            return f"does not fit: {self.registers} registers x {32 * self.warps} threads, over an SM's 65,536"
         if max_stack is not None and self.stack > max_stack:
             return f"spills: {self.stack} bytes a thread, over --max-stack {max_stack}"
         return "ok"

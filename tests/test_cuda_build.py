@@ -26,6 +26,7 @@ def _check(rows: list[dict]) -> None:
     from kernels.triton_support import flash_tiles, pow2_block
 
     assert rows and all(r["registers"] > 0 and r["stack"] >= 0 for r in rows), rows  # cuobjdump read each binary
+    assert all(r["blocks_per_sm"] >= 1 for r in rows), rows
     for r in rows:
         op, dtype, dims = r["variant"].split()[:3]
         if op == "attention":  # what was compiled is what the launch code picks on a GPU (the recorder saw it)
@@ -64,6 +65,10 @@ def test_a_configuration_over_the_limits_is_named(tmp_path):
         "does not fit: 234 KiB of shared memory, sm_90 has 227 KiB"
     assert Built("v", "k", "c", shared=1024, registers=255, stack=96).verdict(90, 64) == \
         "spills: 96 bytes a thread, over --max-stack 64"
+    fwd = Built("v", "k", "c", shared=42_803, registers=130, stack=0, warps=4)  # bf16 attention at head dim 64
+    assert fwd.blocks_per_sm(90) == 3  # by registers: 17 x 256 a warp, so 15 warps, 3 blocks of 4
+    assert Built("v", "k", "c", shared=1024, registers=255, stack=0, warps=16).verdict(90, None) == \
+        "does not fit: 255 registers x 512 threads, over an SM's 65,536"
     assert Built("v", "k", "c", error="CompilationError: x").verdict(80, None) == \
         "does not compile: CompilationError: x"
     r, rows = _build(tmp_path, "--op", "rt_tile", "--dtype", "fp32", "--head-dim", "256", "--max-stack", "0")
