@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The suite under the GPU image's torch, on this CPU, before a GPU window is spent finding out:
-#   bash scripts/image_torch_check.sh                  the compile, kernel, golden-curve and Slurm tests
+#   bash scripts/image_torch_check.sh                  the compile, kernel (interpreted and compiled for the
+#                                                      GPU: the image's Triton), golden-curve and Slurm tests
 #   bash scripts/image_torch_check.sh tests/           everything the README's test command runs
 #   TORCH=2.12.0 bash scripts/image_torch_check.sh     another release
 #
@@ -30,7 +31,8 @@ fi
 if [ $# -eq 0 ]; then
   set -- tests/test_compile_blocks.py tests/test_captured.py tests/test_custom_ops.py tests/test_gpn.py tests/test_rt.py \
     tests/test_delta_memory_triton.py tests/test_block_sparse_attention.py tests/test_kernel_measure.py \
-    tests/test_registry.py tests/test_launch.py tests/test_slurm.py tests/test_gpu_suite.py
+    tests/test_registry.py tests/test_launch.py tests/test_slurm.py tests/test_gpu_suite.py tests/test_cuda_build.py \
+    tests/test_host_syncs.py
 fi
 # the venv's bin first: tests that start `pretrain` or torchrun by name get this torch too
 export PATH="$VENV/bin:$PATH" DS_ACCELERATOR=cpu TORCHINDUCTOR_CACHE_DIR="$VENV/inductor-cache" \
