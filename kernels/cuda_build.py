@@ -136,7 +136,7 @@ def launches(v: Variant) -> list[tuple]:
             bq, bk = blocks(q)  # the tiles a GPU picks for this dtype and head dim
             out, lse = _body(tk.block_sparse_attention)(q, k, val, runs, *lists, *lists, D ** -0.5, bq, bk)
             _body(tk.block_sparse_attention_backward)(t(B, H, T, D), q, k, val, out, lse, runs, *lists, *lists,
-                                                        D ** -0.5, bq, bk)
+                                                      D ** -0.5, bq, bk)
         elif v.op == "rt_tile":
             from kernels.rt_prefill import triton_tile
 
