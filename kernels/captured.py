@@ -132,20 +132,37 @@ class CudaGraphs:
         return graph.replay
 
 
+_BOOL_INDEXED = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                 torch.ops.aten._index_put_impl_.default}
+
+
+def host_read(func, args: tuple, kwargs: dict | None = None) -> str | None:
+    """Why an op cannot sit in a CUDA graph (it reads tensor data on the host, a device sync, or its output
+    shape depends on the data), or None. One rule for the emulated capture and the host-sync census
+    (tests/test_host_syncs.py). Indexing is judged by its indices: integer ones are gathers and scatters a
+    graph holds; a boolean one is a nonzero in disguise (its tag marks every index as dynamic)."""
+    if func in _BOOL_INDEXED:
+        if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]):
+            return "indexes by a boolean mask (a nonzero: its shape depends on tensor data)"
+        return None
+    if func is torch.ops.aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is not None:
+        return None  # the total given up front: no sync for the output's length
+    if torch.Tag.data_dependent_output in func.tags or func is torch.ops.aten._local_scalar_dense.default:
+        return "reads tensor data on the host (a device sync)"
+    if torch.Tag.dynamic_output_shape in func.tags:
+        return "has an output shape that depends on tensor data"
+    return None
+
+
 class _CaptureRules(TorchDispatchMode):
-    """What a CUDA graph capture cannot hold, refused where the emulated backend captures, so a CPU test
-    finds it: an op that reads tensor data on the host (.item(), a comparison returning a bool: a device
-    sync, which fails the capture) or whose output shape depends on the data (nonzero, masked_select)."""
+    """What a CUDA graph capture cannot hold (host_read), refused where the emulated backend captures, so
+    a CPU test finds it: .item(), a comparison turned into a bool, nonzero, masked_select, a mask index."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tags = func.tags
-        if torch.Tag.data_dependent_output in tags or func is torch.ops.aten._local_scalar_dense.default:
-            why = "reads tensor data on the host (a device sync)"
-        elif torch.Tag.dynamic_output_shape in tags:
-            why = "has an output shape that depends on tensor data"
-        else:
-            return func(*args, **(kwargs or {}))
-        raise RuntimeError(f"{func.name()} {why}: a CUDA graph cannot capture it")
+        why = host_read(func, args, kwargs)
+        if why is not None:
+            raise RuntimeError(f"{func.name()} {why}: a CUDA graph cannot capture it")
+        return func(*args, **(kwargs or {}))
 
 
 class Emulated:

@@ -203,8 +203,10 @@ def test_a_failed_capture_is_said_once_and_runs_eagerly_or_stands_when_forced(em
 @pytest.mark.parametrize("body, why", [
     (lambda t: t * float(t.sum().item()), "reads tensor data on the host"),
     (lambda t: t * bool((t > 2).any()), "reads tensor data on the host"),
-    (lambda t: t[t > 1].sum() + t, "depends on tensor data"),
-], ids=["item", "bool", "masked-select"])
+    (lambda t: t[t > 1].sum() + t, "boolean mask"),
+    (lambda t: t.masked_select(t > 1).sum() + t, "depends on tensor data"),
+    (lambda t: t.index_put((t > 1,), torch.tensor(0.0)), "boolean mask"),
+], ids=["item", "bool", "mask-index", "masked-select", "mask-index-put"])
 def test_the_emulated_capture_refuses_what_a_cuda_graph_cannot_hold(emulated, body, why):
     """A host read (a sync) or a data-dependent shape in a region fails its capture on a GPU (the gpu test
     below); the emulated backend refuses the same, so the CPU tests of RT's and GPN's regions (all passing
@@ -215,6 +217,20 @@ def test_the_emulated_capture_refuses_what_a_cuda_graph_cannot_hold(emulated, bo
             torch.testing.assert_close(captured.region("syncing", body, [x])[0], body(x))
     assert len(lines) == 1 and "syncing runs eagerly from now on" in lines[0] and why in lines[0], lines
     assert "a CUDA graph cannot capture it" in lines[0]
+
+
+def test_the_emulated_capture_holds_integer_gathers_and_scatters(emulated):
+    """The refusal is no wider than a graph's: indexing by integer tensors (an embedding's gather, a
+    scatter into a buffer) and repeat_interleave with its length given are captured, not sent eager."""
+    def body(t, idx, reps):
+        out = t[idx] + t.index_put((idx,), t[:3] * 2)[1:].sum()
+        return out + torch.repeat_interleave(t[:2], reps, output_size=3)
+
+    lines, inputs = [], [torch.arange(4.0), torch.tensor([3, 0, 2]), torch.tensor([1, 2])]
+    with captured.step("on", log=lines.append):
+        for _ in range(3):
+            torch.testing.assert_close(captured.region("gathers", body, inputs)[0], body(*inputs))
+    assert lines == [] and emulated.captures == 1
 
 
 # -- the run: a line once, a forced capture refused before any work ----------------------------------------

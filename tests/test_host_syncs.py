@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels.captured import host_read
 from pretrain.config import load_config
 from pretrain.data.batch import Batch
 from pretrain.models.base import StepContext
@@ -25,11 +26,7 @@ class HostReads(TorchDispatchMode):
         self.found: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.index.Tensor:  # integer indices are gathers; boolean ones are nonzero
-            reads = any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
-        else:
-            reads = func is torch.ops.aten._local_scalar_dense.default or any(
-                tag in func.tags for tag in (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape))
+        reads = host_read(func, args, kwargs) is not None
         leaves = torch.utils._pytree.tree_leaves((args, kwargs))
         if reads and any(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in leaves):
             frames = [f for f in traceback.extract_stack() if ROOT_MARK in f.filename or "/kernels/" in f.filename]
