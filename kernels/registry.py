@@ -36,7 +36,9 @@ and every timing are kept for the life of the process (one measurement per key p
 rank: ranks measure on their own), and that key dispatches to it from then on. Not measured, and not
 cached, under a tensor dispatch mode (fake tensors, a FLOP counter) or a CUDA graph capture: those calls
 go by priority. choices() and describe_choices() report "attention [key]: triton (2.10 ms fwd+bwd) over
-sdpa (3.40 ms)", and describe_paths_used() appends the choices of the ops that ran.
+sdpa (3.40 ms)" (with "; measuring took 23 s" where the measurement itself took TOOK_SAID_S or more: on a
+GPU, Triton's JIT and FlexAttention's compile, paid in a run's first step), and describe_paths_used()
+appends the choices of the ops that ran.
 
 Under torch.compile the choice is made at trace time: _choose takes Python values only (the op's name,
 the key, the candidates' names) and carries dynamo's assume_constant_result mark, so dynamo calls it for
@@ -64,6 +66,7 @@ import torch
 
 ENV = "PRETRAIN_KERNELS"
 MEASURE_ENV = "PRETRAIN_KERNELS_MEASURE"
+TOOK_SAID_S = 1.0  # a measurement that took this long or more is said in the report, with its seconds
 WARMUP, REPS = 2, 5  # per path and key: the warm-ups absorb Triton's JIT and FlexAttention's compile
 MARGIN = 0.03  # a higher-priority path within 3% of the fastest keeps the call (stable choice on near ties)
 
@@ -153,6 +156,7 @@ class Choice:
     dropped: dict[str, str] = field(default_factory=dict)  # path -> why it was not measured
     backward: bool = True
     note: str = ""  # why nothing was measured (the path is then the first by priority)
+    took_s: float = 0.0  # the measuring's own wall time (Triton's JIT and FlexAttention's compile included)
 
     def __str__(self) -> str:
         what = "fwd+bwd" if self.backward else "fwd"
@@ -167,6 +171,8 @@ class Choice:
             text += " over " + ", ".join(others)
         if self.dropped:
             text += "; dropped " + ", ".join(f"{n} ({why})" for n, why in self.dropped.items())
+        if self.took_s >= TOOK_SAID_S:  # a run's first step pays it: say it where it is large enough to matter
+            text += f"; measuring took {self.took_s:.0f} s"
         return text
 
 
@@ -220,7 +226,7 @@ def _measure(op: Op, key: Hashable, names: tuple[str, ...]) -> Choice | None:
         return None
     device = tensors[0].device.type if tensors else "cpu"
     timer = m.timer or wall_time
-    choice = Choice(op.name, key, m.describe(key), names[0])
+    choice, start = Choice(op.name, key, m.describe(key), names[0]), time.perf_counter()
     # autocast off: the inputs are in the key's dtype already; identity saved-tensor hooks shadow an
     # enclosing activation checkpoint's, which must not see these synthetic graphs
     with torch.autocast(device, enabled=False), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -230,6 +236,7 @@ def _measure(op: Op, key: Hashable, names: tuple[str, ...]) -> Choice | None:
                 choice.seconds[name] = float(timer(run))
             except Exception as e:  # noqa: BLE001 - any failure drops the path from this key, said why
                 choice.dropped[name] = _reason(e)
+    choice.took_s = time.perf_counter() - start
     if choice.seconds:
         best = min(choice.seconds.values())
         choice.path = next(n for n in names if n in choice.seconds and choice.seconds[n] <= best * (1 + MARGIN))

@@ -6,6 +6,7 @@ key and stand-ins (kernels/attention/measured.py), and that CPU attention calls 
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -167,6 +168,23 @@ def test_the_report_names_the_choice_and_the_timings(clock):
                          "c (5.00 ms)")
     registry.reset_paths_used()  # an op that did not run since the reset is not reported
     assert "measured" not in registry.describe_paths_used()
+
+
+def test_the_report_says_how_long_a_slow_measurement_took(clock, monkeypatch):
+    """A measurement's own wall time (on a GPU: Triton's JIT, FlexAttention's compile) lands in a run's
+    first step; the report says it once it reaches TOOK_SAID_S, so a slow start is explained in the log."""
+    def slow(n):
+        time.sleep(0.02)
+        return 1 * MS
+
+    op = make_op(clock, {"a": lambda n: 3.4 * MS, "b": slow, "c": lambda n: 5 * MS})
+    op(torch.ones(5))
+    choice = registry.choices()["test_measured"][0]
+    assert choice.took_s >= 0.02  # b's sleep ran inside the measurement
+    monkeypatch.setattr(registry, "TOOK_SAID_S", choice.took_s + 1)
+    assert "measuring took" not in str(choice)  # under the threshold: not said
+    monkeypatch.setattr(registry, "TOOK_SAID_S", 0.01)
+    assert str(choice).endswith(f"; measuring took {choice.took_s:.0f} s")
 
 
 def test_chosen_at_trace_time_under_torch_compile(clock):
