@@ -224,9 +224,10 @@ def build(v: Variant, arch: int) -> list[Built]:
     try:
         for kernel, args, kw in launches(v):
             consts = {k: val for k, val in kw.items() if k not in ("num_warps", "num_stages")}
+            warps = kw.get("num_warps", 4)  # Triton's defaults where the launch names none
             config = (" ".join(f"{k}={val}" for k, val in consts.items())
-                      + f" warps={kw.get('num_warps', 4)} stages={kw.get('num_stages', 3)}")
-            b = Built(v.name, kernel.fn.__name__, config, warps=kw.get("num_warps", 4))
+                      + f" warps={warps} stages={kw.get('num_stages', 3)}")
+            b = Built(v.name, kernel.fn.__name__, config, warps=warps)
             t0 = time.perf_counter()
             try:  # dtypes in place of tensors: warmup wraps them as Triton's MockTensor, 16-byte aligned
                 compiled = kernel.warmup(*[a.dtype if isinstance(a, torch.Tensor) else a for a in args],
