@@ -40,6 +40,12 @@ sdpa (3.40 ms)" (with "; measuring took 23 s" where the measurement itself took 
 GPU, Triton's JIT and FlexAttention's compile, paid in a run's first step), and describe_paths_used()
 appends the choices of the ops that ran.
 
+A resumed run keeps its choices: the trainer saves saved_choices() in each checkpoint's meta and a resume
+puts them back (restore_choices) before its first step, so after a restart the run dispatches to the paths
+it ran before (a near tie measured again could flip, and with it the low bits of every later step) without
+paying the measurement (FlexAttention's compile) again. Choices made on another device model, torch or
+Triton release are measured again, said in one line; new keys and changed candidates are measured as usual.
+
 Under torch.compile the choice is made at trace time: _choose takes Python values only (the op's name,
 the key, the candidates' names) and carries dynamo's assume_constant_result mark, so dynamo calls it for
 real, not traced, while it traces the op; it measures on real tensors, outside any graph, and dynamo
@@ -56,6 +62,7 @@ each reset.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -157,6 +164,7 @@ class Choice:
     backward: bool = True
     note: str = ""  # why nothing was measured (the path is then the first by priority)
     took_s: float = 0.0  # the measuring's own wall time (Triton's JIT and FlexAttention's compile included)
+    kept: str = ""  # where a restored choice came from ("the checkpoint"): measured by an earlier process
 
     def __str__(self) -> str:
         what = "fwd+bwd" if self.backward else "fwd"
@@ -173,6 +181,8 @@ class Choice:
             text += "; dropped " + ", ".join(f"{n} ({why})" for n, why in self.dropped.items())
         if self.took_s >= TOOK_SAID_S:  # a run's first step pays it: say it where it is large enough to matter
             text += f"; measuring took {self.took_s:.0f} s"
+        if self.kept:
+            text += f"; kept from {self.kept}"
         return text
 
 
@@ -405,6 +415,85 @@ def choices() -> dict[str, list[Choice]]:
 def reset_choices() -> None:
     """Forget every measured choice (the next call of each key measures again): tests."""
     _choices.clear()
+
+
+def context() -> dict:
+    """What measured timings hold for: the device model and the torch and Triton releases (Triton's from
+    its package metadata: importing it costs seconds)."""
+    from importlib import metadata
+
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "triton": triton}
+
+
+def _to_plain(value):
+    """A key as JSON values: tuples as lists, dtypes tagged; anything else stays (checked by a round trip)."""
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    return [_to_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _from_plain(value):
+    if isinstance(value, dict) and isinstance(getattr(torch, str(value.get("dtype")), None), torch.dtype):
+        return getattr(torch, value["dtype"])
+    if isinstance(value, dict):
+        raise ValueError(f"unknown tagged value {value!r}")
+    return tuple(_from_plain(v) for v in value) if isinstance(value, list) else value
+
+
+def saved_choices() -> dict | None:
+    """This process's measured choices as JSON values with their context(), for a checkpoint (None: none
+    made). A resumed run restores them (restore_choices), so it runs the paths the run ran before."""
+    records = []
+    for op_name, cache in sorted(_choices.items()):
+        for (key, names), c in cache.items():
+            if c.note or not c.seconds:
+                continue  # nothing was measured: a resumed run may try again
+            plain = _to_plain(key)
+            try:
+                if _from_plain(json.loads(json.dumps(plain))) != key:
+                    continue
+            except (TypeError, ValueError):
+                continue  # a key of values JSON cannot hold: measured again after a resume
+            records.append({"op": op_name, "key": plain, "names": list(names), "path": c.path, "where": c.where,
+                            "seconds": c.seconds, "dropped": c.dropped, "backward": c.backward})
+    return {"context": context(), "choices": records} if records else None
+
+
+def restore_choices(saved, source: str = "the checkpoint") -> str | None:
+    """Put saved_choices()'s record back as this process's choices, those keys not measured again; a line
+    for the log, None when there was nothing to restore. Choices made on another device model or torch or
+    Triton release are not restored (timings differ there): the line says so and the keys are measured
+    again. An unreadable record is said, never fatal: measuring again is always correct."""
+    if not saved:
+        return None
+    try:
+        then, records = saved["context"], saved["choices"]
+        restored = []
+        for r in records:
+            key, names = _from_plain(r["key"]), tuple(r["names"])
+            if r["path"] not in names or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"the path {r['path']!r} is not among {names}")
+            restored.append((r["op"], (key, names), Choice(r["op"], key, str(r["where"]), r["path"],
+                             {str(n): float(t) for n, t in r["seconds"].items()}, dict(r.get("dropped", {})),
+                             bool(r.get("backward", True)), kept=source)))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"kernels: the measured choices in {source} are unreadable ({_reason(e)}); measuring again"
+    now = context()
+    if then != now:
+        def words(c):
+            return f"{c.get('device')} (torch {c.get('torch')}, Triton {c.get('triton')})" if isinstance(c, dict) else "?"
+        return (f"kernels: the measured choices in {source} were made on {words(then)}, not this "
+                f"{words(now)}; measuring again")
+    for op_name, cache_key, choice in restored:
+        _choices.setdefault(op_name, {})[cache_key] = choice
+    paths = ", ".join(sorted({f"{op_name} {c.path}" for op_name, _, c in restored}))
+    return (f"kernels: {len(restored)} measured choice{'s' if len(restored) != 1 else ''} kept from {source} "
+            f"({paths}): the resumed run runs the paths it ran, unmeasured")
 
 
 def describe_choices() -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import captured, describe_paths_used, reset_paths_used
+from kernels import captured, describe_paths_used, registry, reset_paths_used
 from data_tools.files import atomic_write
 from data_tools.storage import free_bytes, mb, storage_operation, tree_bytes
 from parallel.apply import parallelize
@@ -318,6 +318,8 @@ class Trainer:
         self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed" +
                  (f" (checkpoint.init_from {c.init_from} is not read: the run has its own checkpoint)"
                   if c.init_from else ""))
+        if (kept := registry.restore_choices(meta.get("kernel_choices"))) is not None:
+            self.log(kept)
 
     def _loader(self):
         t, data = self.cfg.train, self.cfg.data
@@ -340,7 +342,8 @@ class Trainer:
         checkpoint stays latest) and a line warns when the next checkpoint may not fit."""
         meta = {"consumed_samples": self.consumed, "config": self.cfg.to_dict(),
                 "tokenizer": os.path.basename(self.cfg.data.tokenizer) if self.cfg.data.tokenizer else None,
-                "bad_steps": self.bad_steps.state()}  # the run of skips and outlier windows (bad_steps.py)
+                "bad_steps": self.bad_steps.state(),  # the run of skips and outlier windows (bad_steps.py)
+                "kernel_choices": registry.saved_choices()}  # measured kernel paths: a resume runs the same ones
         c = self.cfg.checkpoint
         with sigint_deferred():
             path = save_checkpoint(self.run_dir, self.step, self.engine, None, meta, c.keep_last, c.keep_every,
