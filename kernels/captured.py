@@ -83,6 +83,9 @@ class CudaGraphs:
 
     def __init__(self):
         self.pool = self.stream = None
+        # one side stream for every warm-up: the caching allocator keeps freed blocks for the stream that
+        # allocated them, so a stream per warm-up (~24 for RT's layers) would strand each one's memory
+        self.side = None
         self.pool_bytes = 0  # what the captures added to the device's allocations (the pool's growth)
 
     def available(self, device: torch.device) -> str | None:
@@ -95,7 +98,9 @@ class CudaGraphs:
 
     def warmup(self, fn: Callable, inputs: list) -> list:
         """WARMUP eager runs on a side stream (what capture needs first); the last one's outputs."""
-        side = torch.cuda.Stream()
+        if self.side is None:
+            self.side = torch.cuda.Stream()
+        side = self.side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP):
