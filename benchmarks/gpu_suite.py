@@ -217,6 +217,9 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
         result["status"] = "ok" if rc == 0 else f"rc {rc}"
     paths = re.findall(r"kernels: (.*)", log)
     result["paths"] = paths[-1].strip() if paths else ""
+    phases = re.findall(r"^compile: [\d.]+ s by step \d+: (.*)", log, re.M)  # where the compile time went
+    if phases:
+        result["compile_phases"] = phases[0].strip()
     if not result["status"].startswith("ok"):
         result["error"] = last_line(log)
     if args.dry_run:
@@ -415,6 +418,7 @@ def table(results: list[dict]) -> str:
                      f"{num('tflops', '{:.1f}')} | {num('mfu', '{:.1%}')} | {num('memory_gb', '{:.1f}')} | {num('planner_gib', '{:.1f}')} | "
                      f"{num('compile_s', '{:.0f}')} | {split_s} | {r.get('paths') or '—'} | {status} |")
     notes = [f"- {r['row']}: {r['note']}" for r in results if r.get("note")]
+    notes += [f"- {r['row']} compile: {r['compile_phases']}" for r in results if r.get("compile_phases")]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 

@@ -29,6 +29,7 @@ from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_a
 from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
+from pretrain import compile_report
 from pretrain.bad_steps import NonFiniteLossError  # noqa: F401  (raised from here; callers import it here)
 from pretrain.bad_steps import BadSteps, data_position
 from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
@@ -392,13 +393,14 @@ class Trainer:
         self.model.train()
         stop = StopOnSignal(t.stop_signals, announce=self.log)
         reset_paths_used()
+        compiling = (compile_report.snapshot(), compile_report.measured_seconds()) if t.compile else None
         try:
             stop.install()
             while self.step < t.max_steps:
                 with step_memory_guard(self):  # out of memory: one sentence, nothing saved (pretrain/oom.py)
                     self._optimizer_step(batches, window)
                 if self._log_due():
-                    record = self._log_window(window)
+                    record = self._log_window(window, compiling)
                     window = Window.start(self.device, param_dtype(self.cfg.train))
                 self._checkpoint_or_stop(stop)
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the handler is in place: no save (a
@@ -486,7 +488,7 @@ class Trainer:
     def _log_due(self) -> bool:
         return self._eval_due() or self.step % self.cfg.train.log_every == 0
 
-    def _log_window(self, window: Window) -> dict:
+    def _log_window(self, window: Window, compiling: tuple | None = None) -> dict:
         """The window's metrics record (with a validation pass when one is due), written to
         metrics.jsonl and W&B on rank 0 and said in a progress line; returns it."""
         do_eval = self._eval_due()
@@ -501,6 +503,8 @@ class Trainer:
         if not self.kernels_reported:  # after the first logged step, once: which kernel paths ran
             self.kernels_reported = True
             self.log(f"kernels: {describe_paths_used()}" + (f" | {graphs}" if (graphs := captured.summary()) else ""))
+            if compiling is not None and (said := compile_report.line(self.step, *compiling)) is not None:
+                self.log(said)  # where a compiled run's first step went (pretrain/compile_report.py)
         self.log(progress_line(record, self.cfg.train.max_steps, self.spec.progress) + (
             f" | val {record['val_loss']:.4f} (ppl {record['val_ppl']:.1f})" if do_eval else "")
             + (f" | {accuracy_line(record)}" if do_eval and self.cfg.data.task else ""))

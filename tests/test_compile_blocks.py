@@ -3,6 +3,8 @@ own and the read-out apart. The compiled model gives the eager loss and gradient
 dynamo compiles does not grow with depth (blocks of one class share one graph: that is what makes it compile
 in about one block's time); RT's recurrent layers stay out; CRT and GPN keep their own `compile`; the field is
 checked and reaches the trainer."""
+import re
+
 import pytest
 import torch
 
@@ -122,8 +124,13 @@ def test_the_field_is_checked_and_reaches_the_start_line(tmp_path):
             assert all(b._compiled_call_impl is not None for b in trainer.model.blocks)
             assert trainer.model._compiled_call_impl is None  # not the whole model
         trainer.fit()
+        said = [ln for ln in lines if ln.startswith("compile: ")]  # where the first step went (compile_report)
         if scope == "blocks":
             assert any("compiling the model (train.compile_scope=blocks)" in ln for ln in lines), lines
+            assert len(said) == 1 and re.fullmatch(r"compile: [\d.]+ s by step 1: dynamo [\d.]+ s, the forward [\d.]+ s"
+                                                   r"(, the backward [\d.]+ s)?(; waiting .*)?", said[0]), lines  # (a cached backward: loaded with the forward)
+        else:
+            assert not said, said
         losses[scope] = [r["loss"] for r in read_metrics(cfg.train.run_dir) if "loss" in r]
     assert losses["blocks"] == pytest.approx(losses["model"], rel=1e-4), losses
 

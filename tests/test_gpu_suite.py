@@ -66,3 +66,15 @@ def test_a_second_suite_into_the_same_folder_trains_afresh(tmp_path):
         assert "already complete" not in log and "resumed from" not in log, log[-1000:]
         assert "step 2/2" in log, log[-1000:]
         assert "already complete" not in proc.stdout + proc.stderr  # the in-process profile run trained too
+
+
+def test_a_compiled_rows_phases_go_under_the_table():
+    # the trainer's "compile: ... by step 1: ..." line, read from the run's log, says where a slow first step went
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import table
+
+    phases = "dynamo 9.8 s (of it measuring kernel paths 6.1 s), the forward 31.0 s, the backward 20.4 s"
+    text = table([{"row": "baseline/s", "micro": 6, "seq_len": 4096, "tokens_per_s": 3e5, "compile_s": 61.0,
+                   "status": "ok", "compile_phases": phases}, {"row": "sps/s", "status": "ok"}])
+    assert text.splitlines()[-1] == f"- baseline/s compile: {phases}"
+    assert "sps/s compile" not in text
