@@ -5,8 +5,10 @@
 #   profile  a torch.profiler capture of baseline/s without masks (serial: RT with graphs; PROFILE_ROW)
 #   layer    serial only: bench_rt_layer.py, one RT layer against the batch beside spec-003 §3.7's table
 #   tests    the gpu-marked tests, the Triton kernels' tests on CUDA, the attention paths' (not flex)
-# The transformer part takes about 9 minutes; the serial part's suite alone about 9, so run it as two calls:
-# STAGES=suite, then STAGES=layer,tests,profile. Each stage has its own timeout, so one slow stage cannot take
+# The transformer part takes about 11 minutes; the serial part's suite alone about 9, so run it as two calls:
+# STAGES=suite, then STAGES=layer,tests,profile. ONLY picks rows of the part (a row's exact name, or a part of
+# names; ';' between them) to split a part over calls: ONLY="baseline/s no-mask;baseline/s;sps/s" SUITE_S=480,
+# then ONLY="baseline/m;cart;crt;sdpa;blocks". Each stage has its own timeout, so one slow stage cannot take
 # the rest. Results go to $OUT (default ./gpu_out): suite.log, suite_<part>.md/.json, profile_*.txt,
 # rt_layer.md, gpu_tests.log, logs.tgz (every run's log).
 #     bash benchmarks/gpu_session.sh transformer      # run the suite before and after a change
@@ -21,8 +23,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || ec
 if [ "$PART" = serial ]; then ROW=${PROFILE_ROW:-rt/300m-12l graphs}; PPART=serial; STEPS=${STEPS:-3}; CAP=${CAP_S:-100}
 else ROW=${PROFILE_ROW:-baseline/s no-mask}; PPART=transformer; STEPS=${STEPS:-8}; CAP=${CAP_S:-80}; fi
 if has suite; then
+  ONLY_ARGS=(); IFS=';' read -ra PICK <<< "${ONLY:-}"; for o in ${PICK[@]+"${PICK[@]}"}; do ONLY_ARGS+=(--only "$o"); done
   timeout "${SUITE_S:-$([ "$PART" = serial ] && echo 560 || echo 330)}" python3 benchmarks/gpu_suite.py --part "$PART" \
-    --out /tmp/suite --cap "$CAP" --steps "$STEPS" ${DRY:+--dry-run} --commit "${COMMIT:-}" > "$OUT/suite.log" 2>&1
+    --out /tmp/suite --cap "$CAP" --steps "$STEPS" ${DRY:+--dry-run} --commit "${COMMIT:-}" ${ONLY_ARGS[@]+"${ONLY_ARGS[@]}"} \
+    > "$OUT/suite.log" 2>&1
   echo "suite: rc $?"; cp /tmp/suite/suite_"$PART".* "$OUT"/ 2>/dev/null
 fi
 if has profile; then
