@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -437,12 +438,16 @@ def _to_plain(value):
     return [_to_plain(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
-def _from_plain(value):
+def _from_plain(value, cuda: str | None = None):
+    """_to_plain's inverse; with `cuda` ("cuda:3"), a key's CUDA device becomes that one: rank 0 saved the
+    choices, and each rank's keys name its own device."""
     if isinstance(value, dict) and isinstance(getattr(torch, str(value.get("dtype")), None), torch.dtype):
         return getattr(torch, value["dtype"])
     if isinstance(value, dict):
         raise ValueError(f"unknown tagged value {value!r}")
-    return tuple(_from_plain(v) for v in value) if isinstance(value, list) else value
+    if cuda is not None and isinstance(value, str) and re.fullmatch(r"cuda:\d+", value):
+        return cuda
+    return tuple(_from_plain(v, cuda) for v in value) if isinstance(value, list) else value
 
 
 def saved_choices() -> dict | None:
@@ -464,9 +469,9 @@ def saved_choices() -> dict | None:
     return {"context": context(), "choices": records} if records else None
 
 
-def restore_choices(saved, source: str = "the checkpoint") -> str | None:
+def restore_choices(saved, source: str = "the checkpoint", device: torch.device | None = None) -> str | None:
     """Put saved_choices()'s record back as this process's choices, those keys not measured again; a line
-    for the log, None when there was nothing to restore. Choices made on another device model or torch or
+    for the log, None when there was nothing to restore. `device`: this rank's (its keys name it). Choices made on another device model or torch or
     Triton release are not restored (timings differ there): the line says so and the keys are measured
     again. An unreadable record is said, never fatal: measuring again is always correct."""
     if not saved:
@@ -475,7 +480,10 @@ def restore_choices(saved, source: str = "the checkpoint") -> str | None:
         then, records = saved["context"], saved["choices"]
         restored = []
         for r in records:
-            key, names = _from_plain(r["key"]), tuple(r["names"])
+            cuda = None
+            if device is not None and device.type == "cuda":  # "cuda" alone: the rank's current device
+                cuda = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+            key, names = _from_plain(r["key"], cuda), tuple(r["names"])
             if r["path"] not in names or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"the path {r['path']!r} is not among {names}")
             restored.append((r["op"], (key, names), Choice(r["op"], key, str(r["where"]), r["path"],

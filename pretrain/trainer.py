@@ -319,7 +319,7 @@ class Trainer:
         self.log(f"resumed from {path}: step {self.step}, {self.consumed:,} samples consumed" +
                  (f" (checkpoint.init_from {c.init_from} is not read: the run has its own checkpoint)"
                   if c.init_from else ""))
-        if (kept := registry.restore_choices(meta.get("kernel_choices"))) is not None:
+        if (kept := registry.restore_choices(meta.get("kernel_choices"), device=self.device)) is not None:
             self.log(kept)
 
     def _loader(self):

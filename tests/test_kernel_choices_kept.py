@@ -140,3 +140,17 @@ def test_a_resumed_training_run_keeps_its_attention_choice(tmp_path, monkeypatch
     assert train_keys and all(c.kept == "the checkpoint" for c in train_keys)
     fresh = [c for c in registry.choices()["attention"] if not c.kept]  # the end-of-run evaluation's, if new
     assert len(timed) == 2 * len(fresh)
+
+
+def test_each_rank_restores_rank_0s_choices_for_its_own_device():
+    # rank 0 saved keys naming cuda:0; rank 3's calls name cuda:3 (torch.device objects need no GPU)
+    record = {"op": "attention", "key": [["Causal"], 4, 2, 2, 64, 64, 8, {"dtype": "bfloat16"}, True, "cuda:0"],
+              "names": ["triton", "sdpa"], "path": "triton", "where": "w", "seconds": {"triton": 1e-3, "sdpa": 2e-3}}
+    line = registry.restore_choices({"context": registry.context(), "choices": [record]},
+                                    device=torch.device("cuda", 3))
+    assert line.startswith("kernels: 1 measured choice kept from the checkpoint (attention triton)")
+    (key, names), = registry._choices["attention"]
+    assert key == (("Causal",), 4, 2, 2, 64, 64, 8, torch.bfloat16, True, "cuda:3") and names == ("triton", "sdpa")
+    registry.reset_choices()
+    registry.restore_choices({"context": registry.context(), "choices": [record]}, device=torch.device("cpu"))
+    assert next(iter(registry._choices["attention"]))[0][-1] == "cuda:0"  # not a CUDA rank: kept as saved
