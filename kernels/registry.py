@@ -67,6 +67,7 @@ import os
 import re
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -166,6 +167,7 @@ class Choice:
     note: str = ""  # why nothing was measured (the path is then the first by priority)
     took_s: float = 0.0  # the measuring's own wall time (Triton's JIT and FlexAttention's compile included)
     kept: str = ""  # where a restored choice came from ("the checkpoint"): measured by an earlier process
+    traced: bool = False  # measured while dynamo traced the caller (its time is inside that compile's)
 
     def __str__(self) -> str:
         what = "fwd+bwd" if self.backward else "fwd"
@@ -225,6 +227,52 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[0][:160]}" if first else type(e).__name__
 
 
+def _tracing() -> bool:
+    """Whether dynamo is compiling a frame now (it calls _choose for real while it traces the op)."""
+    try:
+        from torch._guards import TracingContext
+    except ImportError:
+        return False
+    return TracingContext.try_get() is not None
+
+
+# seconds of each of dynamo's phase timers (torch._dynamo.utils.compilation_time_metrics) spent inside
+# measurements: a candidate's own torch.compile (FlexAttention's) nested in a traced frame's compile adds
+# entries to the same timers, which pretrain/compile_report.py subtracts so nothing is counted twice
+nested_compile_s: dict[str, float] = {}
+
+
+@contextmanager
+def _compile_apart():
+    """A measurement that compiles (FlexAttention is a torch.compile'd function) while dynamo traces the
+    model (the choice is made at trace time) gets dynamo's per-thread compile bookkeeping to itself: the
+    candidate's backward, compiled lazily at its first backward, would otherwise write is_forward=False
+    into the enclosing compile's metrics record, and that compile's own is_forward then failed with
+    "Metric(s) {'is_forward'} have already been set in the current context" (torch 2.11 and 2.13).
+    The metrics record and the chromium event stacks are set aside and put back after; the timers it adds
+    to are noted in nested_compile_s."""
+    try:
+        from torch._dynamo import utils as du
+
+        saved = [(tls, dict(tls.__dict__)) for tls in (du._metrics_context_tls, du.get_chromium_event_logger().tls)]
+        timers = du.compilation_time_metrics
+    except Exception:  # noqa: BLE001 - a torch without these internals: measure as is
+        yield
+        return
+    counts = {name: len(v) for name, v in timers.items()}
+    for tls, _ in saved:
+        tls.__dict__.clear()
+    try:
+        yield
+    finally:
+        for tls, state in saved:
+            tls.__dict__.clear()
+            tls.__dict__.update(state)
+        for name, v in timers.items():
+            if len(v) > counts.get(name, 0):
+                nested_compile_s[name] = nested_compile_s.get(name, 0.0) + float(sum(v[counts.get(name, 0):]))
+
+
 def _measure(op: Op, key: Hashable, names: tuple[str, ...]) -> Choice | None:
     m = op.measured
     made = m.inputs(key)
@@ -237,10 +285,11 @@ def _measure(op: Op, key: Hashable, names: tuple[str, ...]) -> Choice | None:
         return None
     device = tensors[0].device.type if tensors else "cpu"
     timer = m.timer or wall_time
-    choice, start = Choice(op.name, key, m.describe(key), names[0]), time.perf_counter()
+    choice, start = Choice(op.name, key, m.describe(key), names[0], traced=_tracing()), time.perf_counter()
     # autocast off: the inputs are in the key's dtype already; identity saved-tensor hooks shadow an
     # enclosing activation checkpoint's, which must not see these synthetic graphs
-    with torch.autocast(device, enabled=False), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    with torch.autocast(device, enabled=False), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), \
+            _compile_apart() if choice.traced else nullcontext():
         for name in names:
             run, choice.backward = _fwd_bwd(op.paths[name].fn, args, kwargs)
             try:
@@ -471,11 +520,15 @@ def saved_choices() -> dict | None:
 
 def restore_choices(saved, source: str = "the checkpoint", device: torch.device | None = None) -> str | None:
     """Put saved_choices()'s record back as this process's choices, those keys not measured again; a line
-    for the log, None when there was nothing to restore. `device`: this rank's (its keys name it). Choices made on another device model or torch or
-    Triton release are not restored (timings differ there): the line says so and the keys are measured
-    again. An unreadable record is said, never fatal: measuring again is always correct."""
+    for the log, None when there was nothing to restore. `device`: this rank's (its keys name it). Choices
+    made on another device model or torch or Triton release are not restored (timings differ there): the
+    line says so and the keys are measured again. An unreadable record is said, never fatal: measuring
+    again is always correct. Ops that are forced, or not created yet, keep none (call it after the model
+    is built); with measuring off, none are used, and the line says so."""
     if not saved:
         return None
+    if not _measure_on:
+        return f"kernels: measuring is off ({MEASURE_ENV}=0): the measured choices in {source} are not used"
     try:
         then, records = saved["context"], saved["choices"]
         restored = []
@@ -497,6 +550,12 @@ def restore_choices(saved, source: str = "the checkpoint", device: torch.device 
             return f"{c.get('device')} (torch {c.get('torch')}, Triton {c.get('triton')})" if isinstance(c, dict) else "?"
         return (f"kernels: the measured choices in {source} were made on {words(then)}, not this "
                 f"{words(now)}; measuring again")
+    # an op that is forced, or not (yet) created with its measurement, would not use them (and measure_with
+    # forgets an op's choices): only the others are kept
+    restored = [(n, k, c) for n, k, c in restored
+                if n in _OPS and _OPS[n].measured is not None and _OPS[n].forced is None]
+    if not restored:
+        return None
     for op_name, cache_key, choice in restored:
         _choices.setdefault(op_name, {})[cache_key] = choice
     paths = ", ".join(sorted({f"{op_name} {c.path}" for op_name, _, c in restored}))
