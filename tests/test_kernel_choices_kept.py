@@ -144,6 +144,8 @@ def test_a_resumed_training_run_keeps_its_attention_choice(tmp_path, monkeypatch
 
 def test_each_rank_restores_rank_0s_choices_for_its_own_device():
     # rank 0 saved keys naming cuda:0; rank 3's calls name cuda:3 (torch.device objects need no GPU)
+    import kernels.attention  # noqa: F401  (the op exists, measured: what the trainer's built model ensures)
+
     record = {"op": "attention", "key": [["Causal"], 4, 2, 2, 64, 64, 8, {"dtype": "bfloat16"}, True, "cuda:0"],
               "names": ["triton", "sdpa"], "path": "triton", "where": "w", "seconds": {"triton": 1e-3, "sdpa": 2e-3}}
     line = registry.restore_choices({"context": registry.context(), "choices": [record]},
@@ -154,3 +156,21 @@ def test_each_rank_restores_rank_0s_choices_for_its_own_device():
     registry.reset_choices()
     registry.restore_choices({"context": registry.context(), "choices": [record]}, device=torch.device("cpu"))
     assert next(iter(registry._choices["attention"]))[0][-1] == "cuda:0"  # not a CUDA rank: kept as saved
+
+
+def test_a_forced_op_or_measuring_off_keeps_nothing():
+    clock = Clock()
+    op = make_op(clock, {"a": lambda n: 9 * MS, "b": lambda n: 2 * MS, "c": lambda n: 5 * MS})
+    op(torch.ones(8))
+    saved = _saved()
+    registry.reset_choices()
+    op.force("c")  # PRETRAIN_KERNELS names the path: the kept choice would not be run, so it is not said
+    assert registry.restore_choices(saved) is None and not registry.choices()
+    op.force(None)
+    registry.measuring(False)
+    assert registry.restore_choices(saved) == ("kernels: measuring is off (PRETRAIN_KERNELS_MEASURE=0): the measured "
+                                               "choices in the checkpoint are not used")
+    assert not registry.choices()
+    registry.measuring(True)
+    registry._OPS.pop("test_measured")  # an op not created yet (its module not imported): measure_with would forget
+    assert registry.restore_choices(saved) is None and not registry.choices()
