@@ -7,9 +7,10 @@
 #   tests    the gpu-marked tests, the Triton kernels' tests on CUDA, the attention paths' (not flex)
 # The transformer part takes about 11 minutes; the serial part's suite alone about 9, so run it as two calls:
 # STAGES=suite, then STAGES=layer,tests,profile. ONLY picks rows of the part (a row's exact name, or a part of
-# names; ';' between them) to split a part over calls: ONLY="baseline/s no-mask;baseline/s;sps/s" SUITE_S=480,
-# then ONLY="baseline/m;cart;crt;sdpa;blocks". Each stage has its own timeout, so one slow stage cannot take
-# the rest. Results go to $OUT (default ./gpu_out): suite.log, suite_<part>.md/.json, profile_*.txt,
+# names; ';' between them) to split a part over calls, keeping each ratio's rows in one call (ratios are of one
+# call's rows): ONLY="baseline/s no-mask;baseline/s;baseline/s sdpa;sps/s" SUITE_S=540 (HF, SDPA and SPS ratios),
+# then ONLY="baseline/m;cart;crt" SUITE_S=480, and for the blocks rows ONLY="baseline/s no-mask;baseline/s;blocks"
+# (HF again). Each stage has its own timeout, so one slow stage cannot take the rest. Results go to $OUT (default ./gpu_out): suite.log, suite_<part>.md/.json, profile_*.txt,
 # rt_layer.md, gpu_tests.log, logs.tgz (every run's log).
 #     bash benchmarks/gpu_session.sh transformer      # run the suite before and after a change
 #     DRY=1 bash benchmarks/gpu_session.sh all        # rehearse it on a CPU (tiny shapes; the gpu tests skip)

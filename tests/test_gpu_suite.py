@@ -86,7 +86,7 @@ def test_only_picks_a_row_by_its_exact_name_or_rows_by_a_part_of_theirs(tmp_path
 
     rows = PARTS["transformer"]
     assert [r.name for r in pick(rows, ["baseline/s"])] == ["baseline/s"]
-    assert [r.name for r in pick(rows, ["cart", "sdpa"])] == ["cart/d1024-r6", "cart/dense-7l", "baseline/s sdpa"]
+    assert [r.name for r in pick(rows, ["cart", "", "sdpa"])] == ["cart/d1024-r6", "cart/dense-7l", "baseline/s sdpa"]
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "serial", "--dry-run",
                            "--out", str(tmp_path), "--only", "cart"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "--only cart names no row of --part serial" in proc.stderr
