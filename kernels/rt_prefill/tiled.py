@@ -21,6 +21,10 @@ training step on a GPU with train.cuda_graphs on, each is one CUDA graph per lay
 (spec §3.7: the position loop's launches, not its arithmetic, are the cost there); elsewhere they run
 as written. A layer takes part by naming itself (`region_key`) and listing the tensors it reads that
 are made per forward (`tensors()`, `with_tensors()`: RoPE tables); KEYS_MOVED counts the capture only.
+The backward differentiates with respect to fresh leaves that alias the parameters (`parameters_as`, a
+context in which the layer computes with them): the parameters' own gradient nodes belong to the outer
+autograd graph, made on the default stream, and a backward captured on another stream that reached them
+would break its capture (the engine syncs a leaf's node with the stream it was made on).
 
 `update_tile` and `tile_grads` are the two per-tile functions a kernel replaces (spec §3.8): every
 entry point takes them as `ops` (TileOps; triton_tile.OPS are the Triton kernels).
@@ -188,7 +192,19 @@ def _bound(layer, extra):
 
 def _backward(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: Tensor, lse: Tensor,
               gZ: Tensor) -> list:
-    """TiledPrefill's backward as a function of tensors: [dx, *parameter gradients]."""
+    """TiledPrefill's backward as a function of tensors: [dx, *parameter gradients], taken with respect to
+    leaves made here that share the parameters' storage (the module docstring says why), where the layer
+    can compute with them (`parameters_as`)."""
+    swap = getattr(layer, "parameters_as", None)
+    if swap is None or not params:
+        return _backward_with(layer, leaf, offset, params, ops, x, Z, lse, gZ)
+    leaves = tuple(p.detach().requires_grad_() for p in params)
+    with swap(leaves):
+        return _backward_with(layer, leaf, offset, leaves, ops, x, Z, lse, gZ)
+
+
+def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: Tensor, lse: Tensor,
+                   gZ: Tensor) -> list:
     B, N, _ = x.shape
     dtype = acc_dtype(x)
     with torch.enable_grad():  # phase 0: the batched graphs phase 2 backpropagates through

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from kernels.rt_prefill import rt_decode, rt_prefill, schedule
 from parallel.layers import trunc_normal_
@@ -142,6 +143,12 @@ class LayerView:
 
     def parameters(self):
         return self.block.parameters()
+
+    def parameters_as(self, leaves: tuple[Tensor, ...]):
+        """A context in which the block computes with `leaves` in place of its trainable parameters (in
+        parameters() order; the tiled backward's aliases of them, kernels/rt_prefill/tiled.py)."""
+        trainable = [(name, p) for name, p in self.block.named_parameters() if p.requires_grad]
+        return _reparametrize_module(self.block, {name: t for (name, _), t in zip(trainable, leaves, strict=True)})
 
     # Hand-written input gradients of kv and post, for the backward's sequential phase (one position at
     # a time: building and walking an autograd graph there costs more than the arithmetic). Checked
