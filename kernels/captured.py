@@ -86,6 +86,7 @@ class CudaGraphs:
         # one side stream for every warm-up: the caching allocator keeps freed blocks for the stream that
         # allocated them, so a stream per warm-up (~24 for RT's layers) would strand each one's memory
         self.side = None
+        self.retired = []  # (pool, graph) of failed captures (capture() says why)
         self.pool_bytes = 0  # what the captures added to the device's allocations (the pool's growth)
 
     def available(self, device: torch.device) -> str | None:
@@ -110,28 +111,39 @@ class CudaGraphs:
 
     def capture(self, body: Callable[[], None], device: torch.device) -> Callable[[], None]:
         """body's launches as a graph; its replay. A failed capture ends cleanly (the thread's stream restored,
-        the allocator out of capture mode) and raises the error that broke it, not capture_end's echo of it."""
+        the allocator out of capture mode) and raises the error that broke it, not capture_end's echo of it.
+        Its pool is retired: when a capture breaks, capture_end does not release the pool from the pinned-memory
+        allocator (torch 2.11), and beginning another capture on it would fail ("already recording to
+        mempool_id"), so every later capture would; the next capture starts a fresh pool. The broken graph
+        is kept, since the allocators may still hold its filter."""
         if self.pool is None:
-            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = self.stream or torch.cuda.Stream()
         before = torch.cuda.memory_allocated()
         torch.cuda.synchronize()  # every input written before the capture stream starts
-        graph, error = torch.cuda.CUDAGraph(), None
+        graph, error, begun = torch.cuda.CUDAGraph(), None, False
         with torch.cuda.stream(self.stream):
-            # thread_local: another thread's CUDA call (the data loader's pinning) does not void the capture
-            graph.capture_begin(self.pool, capture_error_mode="thread_local")
             try:
+                # thread_local: another thread's CUDA call (the data loader's pinning) does not void the capture
+                graph.capture_begin(self.pool, capture_error_mode="thread_local")
+                begun = True
                 body()
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the capture is ended
                 error = e
-            try:
-                graph.capture_end()
-            except BaseException as e:  # noqa: BLE001
-                error = error or e
-                try:  # capture_end raised before releasing the pool to ordinary allocation
-                    torch._C._cuda_endAllocateToPool(device.index or 0, self.pool)
+            if begun:
+                try:
+                    graph.capture_end()
+                except BaseException as e:  # noqa: BLE001
+                    error = error or e
+            if error is not None:
+                try:  # a broken capture_end (or begin) leaves the device allocator routing to the pool
+                    index = device.index if device.index is not None else torch.cuda.current_device()
+                    torch._C._cuda_endAllocateToPool(index, self.pool)
                 except Exception:  # noqa: BLE001 - it had released it
                     pass
         if error is not None:
+            self.retired.append((self.pool, graph))
+            self.pool = None
             raise error
         self.pool_bytes += torch.cuda.memory_allocated() - before
         return graph.replay
