@@ -208,6 +208,10 @@ class Folded:
         flat = [*self.fuse_gate, *self.first, *(t for pair in self.later for t in pair), *self.outs, *self.downs]
         return flat + ([self.neg_A, *self.key] if self.key is not None else [])
 
+    def skeleton(self) -> "Folded":
+        """This Folded without its tensors (None in their places): what with_tensors needs to rebuild one."""
+        return self.with_tensors([None] * len(self.tensors()))
+
     def with_tensors(self, flat: list[Tensor]) -> "Folded":
         it = iter(flat)
         take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
@@ -231,12 +235,16 @@ class _Segment(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, model, W: Folded, n_state: int, keep, cut: bool, *inputs):
+        # the bodies close over counts and W's shape only, never a step's tensors: a captured graph keeps
+        # its body for the run, and with it whatever the body holds (the first step's G and matrices)
+        n_inputs, has_keep, shape = len(inputs), keep is not None, W.skeleton()
+
         def run(*xs):  # a captured region (kernels/captured.py): tensors in, tensors out
             # detached: the step sees tensors without requires_grad, as in evaluation, so a compiled step
             # (train.compile) serves both with one graph (dynamo's guards tell the two apart otherwise)
-            state, G, flat, keep_ = _split([x.detach() for x in xs], n_state, len(inputs), keep is not None)
+            state, G, flat, keep_ = _split([x.detach() for x in xs], n_state, n_inputs, has_keep)
             with torch.no_grad():
-                sp, state = model._run(state, G, W.with_tensors(flat), keep_, cut)
+                sp, state = model._run(state, G, shape.with_tensors(flat), keep_, cut)
             return sp, *state
 
         outs = captured.region(("gpn segment forward", id(model), n_state, cut), run, _with_keep(inputs, keep))
@@ -247,19 +255,20 @@ class _Segment(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        need, n, W, model, cut, keep = ctx.needs_input_grad[5:], ctx.n_state, ctx.W, ctx.model, ctx.cut, ctx.keep
+        need, n, model, cut, keep = ctx.needs_input_grad[5:], ctx.n_state, ctx.model, ctx.cut, ctx.keep
         given = tuple(g is not None for g in grads)
         saved = ctx.saved_tensors
+        n_saved, has_keep, shape = len(saved), keep is not None, ctx.W.skeleton()  # no tensors in the body
 
         def run(*xs):
-            state, G, flat, keep_ = _split(xs, n, len(saved), keep is not None)
-            gs = iter(xs[len(saved):len(saved) + sum(given)])
+            state, G, flat, keep_ = _split(xs, n, n_saved, has_keep)
+            gs = iter(xs[n_saved:n_saved + sum(given)])
             # the state differentiated whether or not its gradient is wanted (the window's first segment's
             # is not), so a compiled step (train.compile) serves every segment with one graph
             inputs = [t.detach().requires_grad_(wants or i < n) for i, (t, wants) in enumerate(zip([*state, G, *flat],
                                                                                                    need))]
             with torch.enable_grad():
-                sp, out = model._run(inputs[:n], inputs[n], W.with_tensors(inputs[n + 1:]), keep_, cut)
+                sp, out = model._run(inputs[:n], inputs[n], shape.with_tensors(inputs[n + 1:]), keep_, cut)
             pairs = [(o, next(gs)) for o, has in zip([sp, *out], given) if has]
             pairs = [(o, g) for o, g in pairs if o.requires_grad]
             wanted = [t for t in inputs if t.requires_grad]

@@ -52,6 +52,7 @@ class CudaGraphs:
         # one side stream for every warm-up: the caching allocator keeps freed blocks for the stream that
         # allocated them, so a stream per warm-up (~24 for RT's layers) would strand each one's memory
         self.side = None
+        self.retired = []  # (pool, graph) of failed captures (capture() says why)
         self.pool_bytes = 0  # what the captures added to the device's allocations (the pool's growth)
 
     def available(self, device: torch.device) -> str | None:
@@ -76,28 +77,39 @@ class CudaGraphs:
 
     def capture(self, body: Callable[[], None], device: torch.device) -> Callable[[], None]:
         """body's launches as a graph; its replay. A failed capture ends cleanly (the thread's stream restored,
-        the allocator out of capture mode) and raises the error that broke it, not capture_end's echo of it."""
+        the allocator out of capture mode) and raises the error that broke it, not capture_end's echo of it.
+        Its pool is retired: when a capture breaks, capture_end does not release the pool from the pinned-memory
+        allocator (torch 2.11), and beginning another capture on it would fail ("already recording to
+        mempool_id"), so every later capture would; the next capture starts a fresh pool. The broken graph
+        is kept, since the allocators may still hold its filter."""
         if self.pool is None:
-            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = self.stream or torch.cuda.Stream()
         before = torch.cuda.memory_allocated()
         torch.cuda.synchronize()  # every input written before the capture stream starts
-        graph, error = torch.cuda.CUDAGraph(), None
+        graph, error, begun = torch.cuda.CUDAGraph(), None, False
         with torch.cuda.stream(self.stream):
-            # thread_local: another thread's CUDA call (the data loader's pinning) does not void the capture
-            graph.capture_begin(self.pool, capture_error_mode="thread_local")
             try:
+                # thread_local: another thread's CUDA call (the data loader's pinning) does not void the capture
+                graph.capture_begin(self.pool, capture_error_mode="thread_local")
+                begun = True
                 body()
             except BaseException as e:  # noqa: BLE001 - re-raised below, after the capture is ended
                 error = e
-            try:
-                graph.capture_end()
-            except BaseException as e:  # noqa: BLE001
-                error = error or e
-                try:  # capture_end raised before releasing the pool to ordinary allocation
-                    torch._C._cuda_endAllocateToPool(device.index or 0, self.pool)
+            if begun:
+                try:
+                    graph.capture_end()
+                except BaseException as e:  # noqa: BLE001
+                    error = error or e
+            if error is not None:
+                try:  # a broken capture_end (or begin) leaves the device allocator routing to the pool
+                    index = device.index if device.index is not None else torch.cuda.current_device()
+                    torch._C._cuda_endAllocateToPool(index, self.pool)
                 except Exception:  # noqa: BLE001 - it had released it
                     pass
         if error is not None:
+            self.retired.append((self.pool, graph))
+            self.pool = None
             raise error
         self.pool_bytes += torch.cuda.memory_allocated() - before
         return graph.replay
@@ -729,6 +741,10 @@ class Folded:
         flat = [*self.fuse_gate, *self.first, *(t for pair in self.later for t in pair), *self.outs, *self.downs]
         return flat + ([self.neg_A, *self.key] if self.key is not None else [])
 
+    def skeleton(self) -> "Folded":
+        """This Folded without its tensors (None in their places): what with_tensors needs to rebuild one."""
+        return self.with_tensors([None] * len(self.tensors()))
+
     def with_tensors(self, flat: list[Tensor]) -> "Folded":
         it = iter(flat)
         take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
@@ -752,12 +768,16 @@ class _Segment(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, model, W: Folded, n_state: int, keep, cut: bool, *inputs):
+        # the bodies close over counts and W's shape only, never a step's tensors: a captured graph keeps
+        # its body for the run, and with it whatever the body holds (the first step's G and matrices)
+        n_inputs, has_keep, shape = len(inputs), keep is not None, W.skeleton()
+
         def run(*xs):  # a captured region (kernels/captured.py): tensors in, tensors out
             # detached: the step sees tensors without requires_grad, as in evaluation, so a compiled step
             # (train.compile) serves both with one graph (dynamo's guards tell the two apart otherwise)
-            state, G, flat, keep_ = _split([x.detach() for x in xs], n_state, len(inputs), keep is not None)
+            state, G, flat, keep_ = _split([x.detach() for x in xs], n_state, n_inputs, has_keep)
             with torch.no_grad():
-                sp, state = model._run(state, G, W.with_tensors(flat), keep_, cut)
+                sp, state = model._run(state, G, shape.with_tensors(flat), keep_, cut)
             return sp, *state
 
         outs = region(("gpn segment forward", id(model), n_state, cut), run, _with_keep(inputs, keep))
@@ -768,19 +788,20 @@ class _Segment(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        need, n, W, model, cut, keep = ctx.needs_input_grad[5:], ctx.n_state, ctx.W, ctx.model, ctx.cut, ctx.keep
+        need, n, model, cut, keep = ctx.needs_input_grad[5:], ctx.n_state, ctx.model, ctx.cut, ctx.keep
         given = tuple(g is not None for g in grads)
         saved = ctx.saved_tensors
+        n_saved, has_keep, shape = len(saved), keep is not None, ctx.W.skeleton()  # no tensors in the body
 
         def run(*xs):
-            state, G, flat, keep_ = _split(xs, n, len(saved), keep is not None)
-            gs = iter(xs[len(saved):len(saved) + sum(given)])
+            state, G, flat, keep_ = _split(xs, n, n_saved, has_keep)
+            gs = iter(xs[n_saved:n_saved + sum(given)])
             # the state differentiated whether or not its gradient is wanted (the window's first segment's
             # is not), so a compiled step (train.compile) serves every segment with one graph
             inputs = [t.detach().requires_grad_(wants or i < n) for i, (t, wants) in enumerate(zip([*state, G, *flat],
                                                                                                    need))]
             with torch.enable_grad():
-                sp, out = model._run(inputs[:n], inputs[n], W.with_tensors(inputs[n + 1:]), keep_, cut)
+                sp, out = model._run(inputs[:n], inputs[n], shape.with_tensors(inputs[n + 1:]), keep_, cut)
             pairs = [(o, next(gs)) for o, has in zip([sp, *out], given) if has]
             pairs = [(o, g) for o, g in pairs if o.requires_grad]
             wanted = [t for t in inputs if t.requires_grad]
