@@ -107,7 +107,9 @@ def test_warning_signal_checkpoints_requeues_and_resumes_identically(cluster, co
     cluster.run("scancel", "--signal=USR1", "--batch", job)  # what Slurm sends --signal-lead before the end
     cluster.wait_state(job, ("PENDING",), timeout=180)
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds requeued jobs ~2 min
-    assert cluster.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED")) == "COMPLETED", _output(run)
+    state = cluster.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"))
+    # the daemons' last words with it: a requeued job once ended FAILED without a line of its own output
+    assert state == "COMPLETED", _output(run) + "\n" + cluster.diagnose(job)
     assert cluster.job_field(job, "Restarts") == "1"
     out = _output(run)
     assert "warning signal" in out and "requeued" in out and "training finished at step 60" in out, out
