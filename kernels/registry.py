@@ -529,13 +529,13 @@ def restore_choices(saved, source: str = "the checkpoint", device: torch.device 
         return None
     if not _measure_on:
         return f"kernels: measuring is off ({MEASURE_ENV}=0): the measured choices in {source} are not used"
+    cuda = None
+    if device is not None and device.type == "cuda":  # "cuda" alone: the rank's current device
+        cuda = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
     try:
         then, records = saved["context"], saved["choices"]
         restored = []
         for r in records:
-            cuda = None
-            if device is not None and device.type == "cuda":  # "cuda" alone: the rank's current device
-                cuda = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
             key, names = _from_plain(r["key"], cuda), tuple(r["names"])
             if r["path"] not in names or not all(isinstance(n, str) for n in names):
                 raise ValueError(f"the path {r['path']!r} is not among {names}")
