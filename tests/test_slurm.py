@@ -106,7 +106,10 @@ def test_warning_signal_checkpoints_requeues_and_resumes_identically(cluster, co
     assert os.path.exists(metrics), _output(run)
     cluster.run("scancel", "--signal=USR1", "--batch", job)  # what Slurm sends --signal-lead before the end
     cluster.wait_state(job, ("PENDING",), timeout=180)
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds requeued jobs ~2 min
+    # Slurm holds a requeued job ~2 min; start it sooner, but not within the second its old credential was
+    # revoked: slurmd refuses a credential made in or before that second ("Job credential revoked"), and
+    # the job then ends FAILED without running (seen in CI when StartTime=now allocated it 0.5 s later)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now+3")
     state = cluster.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"))
     # the daemons' last words with it: a requeued job once ended FAILED without a line of its own output
     assert state == "COMPLETED", _output(run) + "\n" + cluster.diagnose(job)
