@@ -50,6 +50,7 @@ from parallel.state import LocalState, SavedModel, as_state  # noqa: F401  (chec
 from pretrain.checkpoint_integrity import (CHECKSUM, META_FILE, _multi, _rank_checksums, _remaining_checksums,
                                            _verify)
 from pretrain.preemption import sigint_deferred
+from pretrain.readers import pinned
 
 SCHEMA_VERSION = 1
 OPTIM_FILE, LATEST_FILE, DCP_METADATA = "optim.json", "latest", ".metadata"
@@ -134,11 +135,12 @@ def checkpoint_problem(path: str) -> str | None:
     return None
 
 
-def checkpoint_to_read(path: str) -> tuple[str, bool]:
+def checkpoint_to_read(path: str, log=lambda _: None) -> tuple[str, bool]:
     """(the checkpoint directory `path` names, whether `path` is a run directory), for everything that
     reads a trained model (eval, generate, export, import, checkpoint.init_from): a checkpoint
-    directory (complete, or CheckpointError saying why not) or a run's, the one `latest` names
-    (load_latest may still fall back past it when it fails its checksums)."""
+    directory (complete, or CheckpointError saying why not) or a run's, the one `latest` names or the
+    newest complete one when `latest` is unusable (said to `log`; load_latest may still fall back past
+    it when it fails its checksums)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist")
     named_like_one = os.path.isfile(os.path.join(path, DCP_METADATA)) or _STEP_DIR.fullmatch(
@@ -147,7 +149,7 @@ def checkpoint_to_read(path: str) -> tuple[str, bool]:
         if (why := checkpoint_problem(path)) is not None:
             raise CheckpointError(f"checkpoint {path} {why}")
         return path, False
-    ckpt = latest_checkpoint(path, log=lambda _: None)
+    ckpt = latest_checkpoint(path, log=log)
     if ckpt is None:
         if os.path.isfile(os.path.join(path, "config.json")):  # a Hugging Face folder: import it first
             raise ValueError(f"{path} is a Hugging Face folder, not a run, a checkpoint or an exported folder; "
@@ -437,10 +439,11 @@ def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> No
     steps = _step_dirs(root)
     complete = [s for s, _ in _complete_checkpoints(root)]
     named, _ = _named_by_latest(root)  # never the one `latest` names (just_written, but said outright)
+    read_now, dead_pins = pinned(root, pid_alive)  # nor one a reader is loading (pretrain/readers.py)
     keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0),
-            *([_step_of(named)] if named else [])}
+            *([_step_of(named)] if named else []), *(_step_of(n) for n in read_now)}
     doomed = [n for s, n in steps if s not in keep]
-    trash = [os.path.join(root, f".{n}.old-{os.getpid()}") for n in doomed]
+    trash = [os.path.join(root, f".{n}.old-{os.getpid()}") for n in doomed] + dead_pins
     for n, aside in zip(doomed, trash):  # aside first: a crash mid-rmtree must not leave a husk
         os.rename(os.path.join(root, n), aside)
     if doomed:
@@ -559,12 +562,13 @@ def _read_param_groups(path: str) -> list:
 
 
 def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, expect_arch: str | None = None,
-                verify: bool = True, log=print) -> tuple[str, dict] | tuple[None, None]:
-    """Load the checkpoint `latest` names, falling back to the newest older one when it is unusable
-    (incomplete, truncated, or failing its checksums), each fallback said in one line; return
-    (path, meta), or (None, None) when the run has no complete checkpoint. When every complete
-    checkpoint fails its checksums this raises: starting over would discard them."""
-    path = latest_checkpoint(run_dir, log=log)
+                verify: bool = True, log=print, start: str | None = None) -> tuple[str, dict] | tuple[None, None]:
+    """Load the checkpoint `latest` names (or `start`, one the caller chose from it, e.g. a reader that
+    pinned it), falling back to the newest older one when it is unusable (incomplete, truncated, or
+    failing its checksums), each fallback said in one line; return (path, meta), or (None, None) when
+    the run has no complete checkpoint. When every complete checkpoint fails its checksums this
+    raises: starting over would discard them."""
+    path = start or latest_checkpoint(run_dir, log=log)
     if path is None:
         return None, None
     root, first_error = os.path.dirname(path), None

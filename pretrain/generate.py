@@ -96,7 +96,7 @@ def load_for_inference(path: str, device: str = "cpu", overrides: list[str] | tu
         kw = dict(optimizer=None, restore_rng=False, expect_arch=cfg.model.arch, verify=cfg.checkpoint.verify,
                   log=log)
         if is_run:  # load_latest says why when it falls back past a corrupt checkpoint
-            load_latest(path, model, **kw)
+            load_latest(path, model, start=ckpt, **kw)
         else:
             load_checkpoint(ckpt, model, **kw)
         return model, spec, cfg

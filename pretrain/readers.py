@@ -7,14 +7,68 @@ opened, or fails on one that is gone. A failed read of a checkpoint that has sin
 replaced at the same path: a re-save swapped in) is not an error: it is read again from the newest
 complete checkpoint of the same run, with a line saying so. A checkpoint that is still there and
 fails keeps its own error (corrupt, incomplete, a wrong architecture).
+
+A reader also pins what it reads: an empty file `checkpoints/.read-step_X-<host>-<pid>`, made before
+the read and removed after, which retention honours (`pinned`) while its process lives (on another
+host, which cannot be asked, for PIN_FOREIGN_S after it was made). So a reader slower than the
+trainer's saves still finishes: without pins it could lose every race to a run saving each step with
+keep_last=1. The fallback stays for what a pin cannot cover: a run directory this process cannot write
+to, and the instant between choosing a checkpoint and pinning it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import socket
+import time
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
 ATTEMPTS = 10  # a reader that loses this many races in a row is told so (each is a whole save apart)
+PIN_FOREIGN_S = 3600.0  # how long a pin made on another host is honoured (its process cannot be asked)
+_PIN = re.compile(r"\.read-(step_\d+)-(.+)-(\d+)")
+
+
+def _pin_name(checkpoint_name: str) -> str:
+    return f".read-{checkpoint_name}-{socket.gethostname()}-{os.getpid()}"
+
+
+def pinned(root: str, alive: Callable[[int], bool]) -> tuple[set[str], list[str]]:
+    """(the checkpoint names in `root` that live readers pin, the paths of dead readers' pins)."""
+    names, dead, host = set(), [], socket.gethostname()
+    for entry in os.listdir(root) if os.path.isdir(root) else []:
+        if not (m := _PIN.fullmatch(entry)):
+            continue
+        path = os.path.join(root, entry)
+        if m.group(2) == host:
+            live = alive(int(m.group(3)))
+        else:
+            try:
+                live = time.time() - os.stat(path).st_mtime < PIN_FOREIGN_S
+            except OSError:  # its reader just removed it
+                continue
+        if live:
+            names.add(m.group(1))
+        elif m.group(2) == host:  # another host's stale pin is left to that host's readers
+            dead.append(path)
+    return names, dead
+
+
+@contextlib.contextmanager
+def _pinning(ckpt: str):
+    """Pin checkpoint `ckpt` for the duration; a directory this process cannot write to reads unpinned."""
+    pin = os.path.join(os.path.dirname(ckpt), _pin_name(os.path.basename(ckpt)))
+    try:
+        open(pin, "x").close()
+    except OSError:
+        pin = None
+    try:
+        yield
+    finally:
+        if pin is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(pin)
 
 
 def _identity(path: str) -> tuple[int, int] | None:
@@ -30,12 +84,14 @@ def read_with_fallback(path: str, read: Callable[[str, bool], T], log=print) -> 
     when that checkpoint is pruned or replaced under the read, read(newest complete, False) instead."""
     from pretrain.checkpoint import CheckpointError, checkpoint_to_read, latest_checkpoint
 
-    ckpt, is_run = checkpoint_to_read(path)
+    ckpt, is_run = checkpoint_to_read(path, log=log)
     run_dir = path if is_run else os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
     for attempt in range(ATTEMPTS):
         before = _identity(ckpt)
         try:
-            result = read(ckpt, is_run)
+            with _pinning(ckpt):
+                # pinned after `before`: a prune in between shows as a changed identity, as during the read
+                result = read(ckpt, is_run)
         except (CheckpointError, OSError) as e:
             after = _identity(ckpt)
             if after is not None and after == before:

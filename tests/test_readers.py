@@ -1,8 +1,10 @@
 """Retention with readers (issue 25 point 4): `pretrain eval`, `generate` and `export` read a checkpoint
 that the trainer may prune meanwhile; they finish on it or read the newest complete one with a line,
 never fail half-way nor read a mix; pruning never deletes the checkpoint `latest` names."""
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ import torch
 
 from data_tools.files import atomic_write
 from pretrain import checkpoint as ckpt
+from pretrain import readers
 from pretrain.config import load_config
 from pretrain.export.source import read_checkpoint
 from pretrain.generate import load_for_inference
@@ -30,6 +33,8 @@ def overrides(tmp, corpus, run_dir, steps, keep_last):
 
 @pytest.mark.parametrize("reader", ["eval", "export"])
 def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, corpus, monkeypatch, reader):
+    # a reader that cannot pin (a run directory it cannot write to) loses its checkpoint to retention
+    monkeypatch.setattr(readers, "_pinning", lambda ckpt: contextlib.nullcontext())
     run = tmp_path / "run"
     Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 3, 3)), log=lambda *_: None).fit()
     root = run / "checkpoints"
@@ -56,6 +61,61 @@ def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, c
                for ln in lines), lines
     for name, tensor in want.items():  # entirely step 3's weights: no mix
         assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
+def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, monkeypatch, reader):
+    run = tmp_path / "run"
+    Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 3, 3)), log=lambda *_: None).fit()
+    root = run / "checkpoints"
+    want = read_checkpoint(str(root / "step_00000002"), log=pytest.fail).state
+    shutil.move(root / "step_00000003", tmp_path / "later")
+    atomic_write(str(root / "latest"), "step_00000002\n")
+    real_load, lines, pins = ckpt.dcp.load, [], []
+
+    def load_while_the_trainer_saves_and_prunes(*args, **kwargs):
+        if (tmp_path / "later").exists():  # mid-read: step 3 appears, latest moves, keep_last=1 would prune 2
+            pins.extend(n for n in os.listdir(root) if n.startswith(".read-"))
+            shutil.move(tmp_path / "later", root / "step_00000003")
+            atomic_write(str(root / "latest"), "step_00000003\n")
+            ckpt._retain(str(root), 3, 1, 0)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.dcp, "load", load_while_the_trainer_saves_and_prunes)
+    if reader == "eval":
+        model, *_ = load_for_inference(str(run), log=lines.append, need=())
+        got = model.state_dict()
+    else:
+        got = read_checkpoint(str(run), log=lines.append).state
+    assert pins == [f".read-step_00000002-{socket.gethostname()}-{os.getpid()}"]
+    assert not lines, lines  # finished on step 2, no fallback
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000003"]  # the pin is gone...
+    ckpt._retain(str(root), 3, 1, 0)
+    assert sorted(os.listdir(root)) == ["latest", "step_00000003"]  # ...so the next save prunes step 2
+
+
+def test_pins_of_dead_readers_are_removed_and_other_hosts_pins_expire(tmp_path, monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2, 3, 4):
+        ckpt.save_checkpoint(str(tmp_path), step, model, None, {}, keep_last=5)
+    root = tmp_path / "checkpoints"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    here = socket.gethostname()
+    for name in (f".read-step_00000001-{here}-{dead}", f".read-step_00000002-{here}-{os.getpid()}",
+                 ".read-step_00000003-other-host-1"):
+        (root / name).touch()
+    ckpt._retain(str(root), 4, 1, 0)  # the dead reader's pin goes, with its checkpoint; the others keep theirs
+    assert sorted(os.listdir(root)) == [f".read-step_00000002-{here}-{os.getpid()}",
+                                        ".read-step_00000003-other-host-1", "latest", "step_00000002",
+                                        "step_00000003", "step_00000004"]
+    old = time.time() - readers.PIN_FOREIGN_S - 1
+    os.utime(root / ".read-step_00000003-other-host-1", (old, old))  # that host's reader is long gone
+    (root / f".read-step_00000002-{here}-{os.getpid()}").unlink()
+    ckpt._retain(str(root), 4, 1, 0)  # another host's stale pin is ignored, but left to that host
+    assert sorted(os.listdir(root)) == [".read-step_00000003-other-host-1", "latest", "step_00000004"]
 
 
 def test_a_checkpoint_that_is_still_there_keeps_its_own_error(tmp_path, corpus):

@@ -35,7 +35,7 @@ def read_checkpoint(path: str, log=print) -> Checkpointed:
     def read(ckpt: str, is_run: bool):  # again from a newer checkpoint if a trainer prunes this one meanwhile
         saved = SavedModel()
         if is_run:
-            ckpt, _ = load_latest(path, saved, restore_rng=False, log=log)
+            ckpt, _ = load_latest(path, saved, restore_rng=False, log=log, start=ckpt)
         else:
             load_checkpoint(ckpt, saved, restore_rng=False, log=log)
         return ckpt, saved, stored_config(ckpt, log=lambda _: None)
