@@ -49,6 +49,23 @@ def _import_deepspeed():
     return deepspeed
 
 
+def _init_comm(deepspeed, backend: str) -> None:
+    """deepspeed.init_distributed over the existing process group, without DeepSpeed's shared-memory all-reduce
+    op: on a CPU it is JIT-built (about 45 s of C++ on 2 cores, the first time on each machine) for its
+    inference all-reduce, which ZeRO's training collectives never use."""
+    import importlib
+
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # the package's attribute `torch` is torch itself
+    build = getattr(ds_comm, "build_shm_op", None)  # absent from a release that drops it: nothing to skip
+    if build is not None:
+        ds_comm.build_shm_op = lambda: None
+    try:
+        deepspeed.init_distributed(dist_backend=backend)
+    finally:
+        if build is not None:
+            ds_comm.build_shm_op = build
+
+
 # Merged into the config's "zero_optimization" (tests set stage3_param_persistence_threshold=0: ZeRO-3
 # keeps parameters under 1e5 elements whole by default, i.e. every parameter of a tiny test model).
 ZERO_OVERRIDES: dict = {}
@@ -101,7 +118,7 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed insists on LOCAL_RANK, which only torchrun sets: give it the launcher's (srun's,
         # mpirun's, or 0 for a plain process) as parallel.dist found it
         os.environ.setdefault("LOCAL_RANK", str(detect_env().local_rank))
-        deepspeed.init_distributed(dist_backend=dist.get_backend())  # wraps the existing group
+        _init_comm(deepspeed, dist.get_backend())  # wraps the existing group
         self.stage = settings.parallel.zero_stage
         self.model, self.optimizer, self.settings = model, optimizer, settings
         # What the checkpoint view needs, captured before DeepSpeed replaces the groups' params

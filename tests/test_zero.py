@@ -243,8 +243,11 @@ def runs(tmp_path_factory):
     corpus = write_markov_corpus(f"{tmp}/markov")
     single = _train(tmp, corpus, "single", 3)
     single5 = _train(tmp, corpus, "single5", 5)[1]
-    ranks = run_ranks(_zero_body, 2, args=(tmp, corpus), env={"DS_ACCELERATOR": "cpu"}, timeout=600)
-    return SimpleNamespace(tmp=tmp, corpus=corpus, single=single, single5=single5, ranks=ranks)
+    extensions = f"{tmp}/torch_extensions"  # what the ranks JIT-build, if anything
+    os.makedirs(extensions)
+    ranks = run_ranks(_zero_body, 2, args=(tmp, corpus), env={"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": extensions},
+                      timeout=600)
+    return SimpleNamespace(tmp=tmp, corpus=corpus, single=single, single5=single5, ranks=ranks, extensions=extensions)
 
 
 def _flatten(tree, prefix=""):
@@ -372,3 +375,23 @@ def test_missing_deepspeed_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # makes `import deepspeed` fail
     with pytest.raises(ImportError, match="DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed"):
         _import_deepspeed()
+
+
+def test_deepspeed_comm_is_started_without_building_its_shared_memory_op(runs):
+    """ZeRO's collectives never use DeepSpeed's shared-memory all-reduce (inference only), whose JIT build
+    costs about 45 s on a CPU: the engine skips it, and puts DeepSpeed's builder back afterwards."""
+    import importlib
+
+    from parallel.zero import _init_comm
+
+    ds_comm = importlib.import_module("deepspeed.comm.torch")
+    real, during = ds_comm.build_shm_op, []
+
+    def init_distributed(dist_backend):
+        during.append(importlib.import_module("deepspeed.comm.torch").build_shm_op())
+
+    _init_comm(SimpleNamespace(init_distributed=init_distributed), "gloo")
+    assert during == [None] and ds_comm.build_shm_op is real
+    # the 2-rank ZeRO runs above (the same engine) built nothing
+    assert all(not name.startswith("deepspeed_shm_comm") for name in os.listdir(runs.extensions)), \
+        os.listdir(runs.extensions)
