@@ -77,12 +77,34 @@ def _refusal(arch, extra, tmp_path):
     return None
 
 
-def _body(rank, world_size, tmp, corpus, arch, extra):
-    return train_run(tmp, corpus, "layout", 3, BASE + extra, arch_config=_config(arch))[1]
+def _body(rank, world_size, tmp, corpus, archs, extra):
+    return {arch: train_run(tmp, corpus, f"layout-{arch}", 3, BASE + extra, arch_config=_config(arch))[1]
+            for arch in archs}
 
 
-def _check(arch, layout, tmp_path, corpus):
-    ranks, extra = LAYOUTS[layout]
+_SPAWNS: dict = {}  # layout -> (its folder, {arch: every rank's parameters}) or the spawn's exception
+
+
+def _spawned(layout, tmp_path_factory, corpus):
+    """One spawn per layout trains every architecture that supports it, one after another in the same ranks
+    (process start-up and the imports cost more than a tiny run: about 8 s of each 12 s test)."""
+    if layout not in _SPAWNS:
+        ranks, extra = LAYOUTS[layout]
+        tmp = str(tmp_path_factory.mktemp(f"layout-{layout}"))
+        archs = [a for a in ARCHS if _refusal(a, extra, tmp) is None]
+        try:
+            held = run_ranks(_body, ranks, args=(tmp, corpus, archs, extra), env={"DS_ACCELERATOR": "cpu"},
+                             timeout=600)
+            _SPAWNS[layout] = tmp, {a: {k: v for rank in held for k, v in rank[a].items()} for a in archs}
+        except Exception as e:  # every architecture's test of this layout reports it, without spawning again
+            _SPAWNS[layout] = e
+    if isinstance(_SPAWNS[layout], Exception):
+        raise _SPAWNS[layout]
+    return _SPAWNS[layout]
+
+
+def _check(arch, layout, tmp_path, corpus, tmp_path_factory):
+    _, extra = LAYOUTS[layout]
     needs(layout)
     refused = _refusal(arch, extra, tmp_path)
     if refused:  # a refusal is an outcome to check, not a skip: it must quote the registry's reason
@@ -96,10 +118,9 @@ def _check(arch, layout, tmp_path, corpus):
     # the layout's model (e.g. depth for PP4) and batch in both runs
     model = [o for o in extra if o.startswith(("model.", "train."))]
     _, single = train_run(tmp, corpus, "single", 3, BASE + model, arch_config=_config(arch))
-    params = {}  # every rank's view (a pipeline stage holds its own tensors; the others hold all)
-    for held in run_ranks(_body, ranks, args=(tmp, corpus, arch, extra), env={"DS_ACCELERATOR": "cpu"}, timeout=600):
-        params.update(held)
-    got, want = step_losses(f"{tmp}/layout"), step_losses(f"{tmp}/single")
+    spawn_tmp, trained = _spawned(layout, tmp_path_factory, corpus)
+    params = trained[arch]  # every rank's view merged (a pipeline stage holds its own tensors; the others hold all)
+    got, want = step_losses(f"{spawn_tmp}/layout-{arch}"), step_losses(f"{tmp}/single")
     assert sorted(got) == [1, 2, 3] and got == pytest.approx(want, rel=LOSS_REL)
     for k in single:
         np.testing.assert_allclose(params[k], single[k], rtol=0, atol=PARAM_ATOL, err_msg=k)
@@ -112,15 +133,15 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", CI_SUBSET)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_each_architecture_under_tp2_and_zero3(arch, layout, tmp_path, corpus):
-    _check(arch, layout, tmp_path, corpus)
+def test_each_architecture_under_tp2_and_zero3(arch, layout, tmp_path, corpus, tmp_path_factory):
+    _check(arch, layout, tmp_path, corpus, tmp_path_factory)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [x for x in LAYOUTS if x not in CI_SUBSET])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_full_architecture_by_layout_matrix(arch, layout, tmp_path, corpus):
-    _check(arch, layout, tmp_path, corpus)
+def test_full_architecture_by_layout_matrix(arch, layout, tmp_path, corpus, tmp_path_factory):
+    _check(arch, layout, tmp_path, corpus, tmp_path_factory)
 
 
 @pytest.mark.parametrize("layout, needle", [
