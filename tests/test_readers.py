@@ -31,50 +31,20 @@ def overrides(tmp, corpus, run_dir, steps, keep_last):
                                           "schedule.warmup_steps": 0})
 
 
-@pytest.mark.parametrize("reader", ["eval", "export"])
-def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, corpus, monkeypatch, reader):
-    # a reader that cannot pin (a run directory it cannot write to) loses its checkpoint to retention
-    monkeypatch.setattr(readers, "_pinning", lambda ckpt: contextlib.nullcontext())
+def read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader):
+    """Read a run whose latest is step 2 while, mid-read, the trainer saves step 3 and applies keep_last=1;
+    return (the checkpoints' root, the weights read, the reader's lines, the pins present mid-read,
+    {step: its weights})."""
     run = tmp_path / "run"
     Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 3, 3)), log=lambda *_: None).fit()
     root = run / "checkpoints"
-    want = read_checkpoint(str(root / "step_00000003"), log=pytest.fail).state
+    want = {s: read_checkpoint(str(root / f"step_0000000{s}"), log=pytest.fail).state for s in (2, 3)}
     shutil.move(root / "step_00000003", tmp_path / "later")  # the trainer has not written step 3 yet
-    atomic_write(str(root / "latest"), "step_00000002\n")
-    real_load, lines = ckpt.dcp.load, []
-
-    def load_while_the_trainer_saves_and_prunes(*args, **kwargs):
-        if (tmp_path / "later").exists():  # mid-read: step 3 appears, latest moves, keep_last=1 prunes 1 and 2
-            shutil.move(tmp_path / "later", root / "step_00000003")
-            atomic_write(str(root / "latest"), "step_00000003\n")
-            ckpt._retain(str(root), 3, 1, 0)
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(ckpt.dcp, "load", load_while_the_trainer_saves_and_prunes)
-    if reader == "eval":
-        model, *_ = load_for_inference(str(run), log=lines.append, need=())
-        got = model.state_dict()
-    else:
-        got = read_checkpoint(str(run), log=lines.append).state
-    assert sorted(os.listdir(root)) == ["latest", "step_00000003"]
-    assert any("step_00000002 was pruned by the trainer while being read; reading step_00000003 instead" in ln
-               for ln in lines), lines
-    for name, tensor in want.items():  # entirely step 3's weights: no mix
-        assert torch.equal(got[name], tensor), name
-
-
-@pytest.mark.parametrize("reader", ["eval", "export"])
-def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, monkeypatch, reader):
-    run = tmp_path / "run"
-    Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 3, 3)), log=lambda *_: None).fit()
-    root = run / "checkpoints"
-    want = read_checkpoint(str(root / "step_00000002"), log=pytest.fail).state
-    shutil.move(root / "step_00000003", tmp_path / "later")
     atomic_write(str(root / "latest"), "step_00000002\n")
     real_load, lines, pins = ckpt.dcp.load, [], []
 
     def load_while_the_trainer_saves_and_prunes(*args, **kwargs):
-        if (tmp_path / "later").exists():  # mid-read: step 3 appears, latest moves, keep_last=1 would prune 2
+        if (tmp_path / "later").exists():  # mid-read: step 3 appears, latest moves, keep_last=1 prunes the rest
             pins.extend(n for n in os.listdir(root) if n.startswith(".read-"))
             shutil.move(tmp_path / "later", root / "step_00000003")
             atomic_write(str(root / "latest"), "step_00000003\n")
@@ -87,10 +57,31 @@ def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, mo
         got = model.state_dict()
     else:
         got = read_checkpoint(str(run), log=lines.append).state
+    return root, got, lines, pins, want
+
+
+def assert_weights(got, want):
+    for name, tensor in want.items():  # entirely one checkpoint's weights: no mix
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
+def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, corpus, monkeypatch, reader):
+    # a reader that cannot pin (a run directory it cannot write to) loses its checkpoint to retention
+    monkeypatch.setattr(readers, "_pinning", lambda ckpt: contextlib.nullcontext())
+    root, got, lines, pins, want = read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader)
+    assert pins == [] and sorted(os.listdir(root)) == ["latest", "step_00000003"]
+    assert any("step_00000002 was pruned by the trainer while being read; reading step_00000003 instead" in ln
+               for ln in lines), lines
+    assert_weights(got, want[3])
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
+def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, monkeypatch, reader):
+    root, got, lines, pins, want = read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader)
     assert pins == [f".read-step_00000002-{socket.gethostname()}-{os.getpid()}"]
     assert not lines, lines  # finished on step 2, no fallback
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
+    assert_weights(got, want[2])
     assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000003"]  # the pin is gone...
     ckpt._retain(str(root), 3, 1, 0)
     assert sorted(os.listdir(root)) == ["latest", "step_00000003"]  # ...so the next save prunes step 2
