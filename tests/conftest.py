@@ -34,13 +34,14 @@ def corpus(tmp_path_factory):
     return write_markov_corpus(tmp_path_factory.mktemp("corpus") / "markov")
 
 
-# The longest files (on 2 cores, one worker: test_plan ~290 s, test_registry ~160 s, test_slurm ~110 s, then
-# 60-105 s each) run first. scripts/test.sh gives two xdist workers whole files in collection order
+# The longest files (fresh-clone CI, two workers: test_plan ~360 s, test_registry ~150 s, test_block_sparse_attention
+# ~140 s, then 60-130 s each) run first. scripts/test.sh gives two xdist workers whole files in collection order
 # (--no-loadscope-reorder; xdist would order them by their number of tests), so no long file is handed out
 # last to end the run alone on one worker. Order within a file is kept.
-LONG_FIRST = ("test_plan.py", "test_registry.py", "test_slurm.py", "test_cli_user.py", "test_layout_matrix.py",
-              "test_block_sparse_attention.py", "test_pipeline.py", "test_hf_remote.py", "test_export.py",
-              "test_gpu_suite.py", "test_lm_eval.py")
+LONG_FIRST = ("test_plan.py", "test_registry.py", "test_block_sparse_attention.py", "test_cli_user.py",
+              "test_hf_remote.py", "test_pipeline.py", "test_slurm.py", "test_gpu_suite.py", "test_layout_resume.py",
+              "test_kill_during_save.py", "test_parallel_layouts.py", "test_custom_ops.py", "test_layout_matrix.py",
+              "test_lm_eval.py", "test_compile_blocks.py", "test_export.py")
 
 
 def pytest_collection_modifyitems(config, items):
