@@ -9,8 +9,8 @@ complete checkpoint of the same run, with a line saying so. A checkpoint that is
 fails keeps its own error (corrupt, incomplete, a wrong architecture).
 
 A reader also pins what it reads: an empty file `checkpoints/.read-step_X-<host>-<pid>`, made before
-the read and removed after, which retention honours (`pinned`) while its process lives (on another
-host, which cannot be asked, for PIN_FOREIGN_S after it was made). So a reader slower than the
+the read and removed after, which retention honours (`pinned`) for at most PIN_S after it was made,
+and on the reader's own host only while its process lives. So a reader slower than the
 trainer's saves still finishes: without pins it could lose every race to a run saving each step with
 keep_last=1. The fallback stays for what a pin cannot cover: a run directory this process cannot write
 to, and the instant between choosing a checkpoint and pinning it.
@@ -26,7 +26,7 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 ATTEMPTS = 10  # a reader that loses this many races in a row is told so (each is a whole save apart)
-PIN_FOREIGN_S = 3600.0  # how long a pin made on another host is honoured (its process cannot be asked)
+PIN_S = 3600.0  # the longest a pin counts: a read takes seconds to minutes; another host's reader cannot be asked
 _PIN = re.compile(r"\.read-(step_\d+)-(.+)-(\d+)")
 
 
@@ -35,22 +35,21 @@ def _pin_name(checkpoint_name: str) -> str:
 
 
 def pinned(root: str, alive: Callable[[int], bool]) -> tuple[set[str], list[str]]:
-    """(the checkpoint names in `root` that live readers pin, the paths of dead readers' pins)."""
+    """(the checkpoint names in `root` that readers pin now, the paths of this host's dead readers' pins).
+    A pin counts for PIN_S after it was made, and on this host only while its process lives (so a pid
+    reused by another program cannot hold a checkpoint for long either)."""
     names, dead, host = set(), [], socket.gethostname()
     for entry in os.listdir(root) if os.path.isdir(root) else []:
         if not (m := _PIN.fullmatch(entry)):
             continue
-        path = os.path.join(root, entry)
-        if m.group(2) == host:
-            live = alive(int(m.group(3)))
-        else:
-            try:
-                live = time.time() - os.stat(path).st_mtime < PIN_FOREIGN_S
-            except OSError:  # its reader just removed it
-                continue
+        path, here = os.path.join(root, entry), m.group(2) == host
+        try:
+            live = time.time() - os.stat(path).st_mtime < PIN_S and (not here or alive(int(m.group(3))))
+        except OSError:  # its reader just removed it
+            continue
         if live:
             names.add(m.group(1))
-        elif m.group(2) == host:  # another host's stale pin is left to that host's readers
+        elif here:  # another host's stale pin is left to that host's readers
             dead.append(path)
     return names, dead
 

@@ -87,7 +87,7 @@ def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, mo
     assert sorted(os.listdir(root)) == ["latest", "step_00000003"]  # ...so the next save prunes step 2
 
 
-def test_pins_of_dead_readers_are_removed_and_other_hosts_pins_expire(tmp_path, monkeypatch):
+def test_pins_of_dead_readers_are_removed_and_old_pins_expire(tmp_path, monkeypatch):
     model = torch.nn.Linear(2, 2)
     for step in (1, 2, 3, 4):
         ckpt.save_checkpoint(str(tmp_path), step, model, None, {}, keep_last=5)
@@ -102,10 +102,10 @@ def test_pins_of_dead_readers_are_removed_and_other_hosts_pins_expire(tmp_path, 
     assert sorted(os.listdir(root)) == [f".read-step_00000002-{here}-{os.getpid()}",
                                         ".read-step_00000003-other-host-1", "latest", "step_00000002",
                                         "step_00000003", "step_00000004"]
-    old = time.time() - readers.PIN_FOREIGN_S - 1
+    old = time.time() - readers.PIN_S - 1
     os.utime(root / ".read-step_00000003-other-host-1", (old, old))  # that host's reader is long gone
-    (root / f".read-step_00000002-{here}-{os.getpid()}").unlink()
-    ckpt._retain(str(root), 4, 1, 0)  # another host's stale pin is ignored, but left to that host
+    os.utime(root / f".read-step_00000002-{here}-{os.getpid()}", (old, old))  # a live pid, but not a reader now
+    ckpt._retain(str(root), 4, 1, 0)  # stale pins count no more; this host's goes, another host's is left to it
     assert sorted(os.listdir(root)) == [".read-step_00000003-other-host-1", "latest", "step_00000004"]
 
 
