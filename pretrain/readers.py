@@ -56,9 +56,13 @@ def pinned(root: str, alive: Callable[[int], bool]) -> tuple[set[str], list[str]
 
 @contextlib.contextmanager
 def _pinning(ckpt: str):
-    """Pin checkpoint `ckpt` for the duration; a directory this process cannot write to reads unpinned."""
-    pin = os.path.join(os.path.dirname(ckpt), _pin_name(os.path.basename(ckpt)))
+    """Pin checkpoint `ckpt` for the duration; a directory this process cannot write to reads unpinned, as
+    does a checkpoint not named like one that retention prunes (a copy elsewhere)."""
+    parent, name = os.path.split(os.path.normpath(ckpt))
+    pin = os.path.join(parent, _pin_name(name))
     try:
+        if not _PIN.fullmatch(os.path.basename(pin)):
+            raise OSError
         open(pin, "x").close()
     except OSError:
         pin = None

@@ -109,6 +109,18 @@ def test_pins_of_dead_readers_are_removed_and_old_pins_expire(tmp_path, monkeypa
     assert sorted(os.listdir(root)) == [".read-step_00000003-other-host-1", "latest", "step_00000004"]
 
 
+def test_a_pin_sits_beside_the_checkpoint_however_it_is_named(tmp_path):
+    (tmp_path / "checkpoints" / "step_00000007").mkdir(parents=True)
+    (tmp_path / "copy").mkdir()
+    pin = f".read-step_00000007-{socket.gethostname()}-{os.getpid()}"
+    with readers._pinning(str(tmp_path / "checkpoints" / "step_00000007") + "/"):  # a trailing slash, as typed
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == [pin, "step_00000007"]
+        assert os.listdir(tmp_path / "checkpoints" / "step_00000007") == []  # never inside the checkpoint
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000007"]
+    with readers._pinning(str(tmp_path / "copy")):  # not a name retention prunes: nothing to pin
+        assert sorted(os.listdir(tmp_path)) == ["checkpoints", "copy"]
+
+
 def test_a_checkpoint_that_is_still_there_keeps_its_own_error(tmp_path, corpus):
     run = tmp_path / "run"
     Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 1, 1)), log=lambda *_: None).fit()
