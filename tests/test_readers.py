@@ -4,7 +4,6 @@ never fail half-way nor read a mix; pruning never deletes the checkpoint `latest
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -31,10 +30,10 @@ def overrides(tmp, corpus, run_dir, steps, keep_last):
                                           "schedule.warmup_steps": 0})
 
 
-def read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader):
-    """Read a run whose latest is step 2 while, mid-read, the trainer saves step 3 and applies keep_last=1;
-    return (the checkpoints' root, the weights read, the reader's lines, the pins present mid-read,
-    {step: its weights})."""
+def read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader, once_pinned=False):
+    """Read a run whose latest is step 2 while, mid-read (or, with `once_pinned`, just after the reader chose
+    and pinned step 2), the trainer saves step 3 and applies keep_last=1; return (the checkpoints' root, the
+    weights read, the reader's lines, the pins present then, {step: its weights})."""
     run = tmp_path / "run"
     Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 3, 3)), log=lambda *_: None).fit()
     root = run / "checkpoints"
@@ -43,15 +42,28 @@ def read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader):
     atomic_write(str(root / "latest"), "step_00000002\n")
     real_load, lines, pins = ckpt.dcp.load, [], []
 
-    def load_while_the_trainer_saves_and_prunes(*args, **kwargs):
-        if (tmp_path / "later").exists():  # mid-read: step 3 appears, latest moves, keep_last=1 prunes the rest
+    def the_trainer_saves_and_prunes():
+        if (tmp_path / "later").exists():  # step 3 appears, latest moves, keep_last=1 prunes the rest
             pins.extend(n for n in os.listdir(root) if n.startswith(".read-"))
             shutil.move(tmp_path / "later", root / "step_00000003")
             atomic_write(str(root / "latest"), "step_00000003\n")
             ckpt._retain(str(root), 3, 1, 0)
+
+    def load(*args, **kwargs):
+        the_trainer_saves_and_prunes()
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.dcp, "load", load_while_the_trainer_saves_and_prunes)
+    @contextlib.contextmanager
+    def pinning(ckpt_path):
+        with real_pinning(ckpt_path):
+            the_trainer_saves_and_prunes()
+            yield
+
+    real_pinning = readers._pinning
+    if once_pinned:  # a run's read must then load what it pinned, not whatever `latest` names by now
+        monkeypatch.setattr(readers, "_pinning", pinning)
+    else:
+        monkeypatch.setattr(ckpt.dcp, "load", load)
     if reader == "eval":
         model, *_ = load_for_inference(str(run), log=lines.append, need=())
         got = model.state_dict()
@@ -79,12 +91,33 @@ def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, c
 @pytest.mark.parametrize("reader", ["eval", "export"])
 def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, monkeypatch, reader):
     root, got, lines, pins, want = read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader)
-    assert pins == [f".read-step_00000002-{socket.gethostname()}-{os.getpid()}"]
+    assert pins == [readers._pin_name("step_00000002")]
     assert not lines, lines  # finished on step 2, no fallback
     assert_weights(got, want[2])
     assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000003"]  # the pin is gone...
     ckpt._retain(str(root), 3, 1, 0)
     assert sorted(os.listdir(root)) == ["latest", "step_00000003"]  # ...so the next save prunes step 2
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
+def test_a_run_is_read_from_the_checkpoint_its_reader_pinned(tmp_path, corpus, monkeypatch, reader):
+    root, got, lines, pins, want = read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader,
+                                                                once_pinned=True)
+    assert pins == [readers._pin_name("step_00000002")] and not lines, lines
+    assert_weights(got, want[2])
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
+def test_an_unusable_latest_is_said_once(tmp_path, corpus, reader):
+    run = tmp_path / "run"
+    Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 2, 2)), log=lambda *_: None).fit()
+    (run / "checkpoints" / "latest").unlink()
+    lines = []
+    if reader == "eval":
+        load_for_inference(str(run), log=lines.append, need=())
+    else:
+        read_checkpoint(str(run), log=lines.append)
+    assert lines == ["checkpoints/latest is missing; falling back to step_00000002"], lines
 
 
 def test_pins_of_dead_readers_are_removed_and_old_pins_expire(tmp_path, monkeypatch):
@@ -94,25 +127,24 @@ def test_pins_of_dead_readers_are_removed_and_old_pins_expire(tmp_path, monkeypa
     root = tmp_path / "checkpoints"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    here = socket.gethostname()
-    for name in (f".read-step_00000001-{here}-{dead}", f".read-step_00000002-{here}-{os.getpid()}",
-                 ".read-step_00000003-other-host-1"):
+    here, mine = readers._process_space(), readers._pin_name("step_00000002")
+    elsewhere = f".read-step_00000003-other-host-{dead}"  # a pid that is dead here means nothing there
+    for name in (f".read-step_00000001-{here}-{dead}", mine, elsewhere):
         (root / name).touch()
     ckpt._retain(str(root), 4, 1, 0)  # the dead reader's pin goes, with its checkpoint; the others keep theirs
-    assert sorted(os.listdir(root)) == [f".read-step_00000002-{here}-{os.getpid()}",
-                                        ".read-step_00000003-other-host-1", "latest", "step_00000002",
-                                        "step_00000003", "step_00000004"]
+    assert sorted(os.listdir(root)) == [mine, elsewhere, "latest", "step_00000002", "step_00000003",
+                                        "step_00000004"]
     old = time.time() - readers.PIN_S - 1
-    os.utime(root / ".read-step_00000003-other-host-1", (old, old))  # that host's reader is long gone
-    os.utime(root / f".read-step_00000002-{here}-{os.getpid()}", (old, old))  # a live pid, but not a reader now
-    ckpt._retain(str(root), 4, 1, 0)  # stale pins count no more; this host's goes, another host's is left to it
-    assert sorted(os.listdir(root)) == [".read-step_00000003-other-host-1", "latest", "step_00000004"]
+    os.utime(root / elsewhere, (old, old))  # that host's reader was killed an hour ago
+    os.utime(root / mine, (old, old))  # a live pid, but not a reader any more (a reused pid)
+    ckpt._retain(str(root), 4, 1, 0)  # pins older than an hour count no more, and go
+    assert sorted(os.listdir(root)) == ["latest", "step_00000004"]
 
 
 def test_a_pin_sits_beside_the_checkpoint_however_it_is_named(tmp_path):
     (tmp_path / "checkpoints" / "step_00000007").mkdir(parents=True)
     (tmp_path / "copy").mkdir()
-    pin = f".read-step_00000007-{socket.gethostname()}-{os.getpid()}"
+    pin = readers._pin_name("step_00000007")
     with readers._pinning(str(tmp_path / "checkpoints" / "step_00000007") + "/"):  # a trailing slash, as typed
         assert sorted(os.listdir(tmp_path / "checkpoints")) == [pin, "step_00000007"]
         assert os.listdir(tmp_path / "checkpoints" / "step_00000007") == []  # never inside the checkpoint
