@@ -576,6 +576,8 @@ def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, e
         try:
             return path, load_checkpoint(path, model, optimizer, restore_rng, expect_arch, verify, log)
         except CorruptCheckpoint as e:  # raised before anything was modified
+            if not os.path.isdir(path):  # pruned under the read, not corrupt: the caller's to handle
+                raise CheckpointError(f"checkpoint {path} was removed while being read") from None
             first_error = first_error or e
             older = next(_complete_checkpoints(root, newest_first=True, older_than=_step_of(path)), None)
             why = str(e).removeprefix(f"checkpoint {path} ")

@@ -108,6 +108,38 @@ def test_a_run_is_read_from_the_checkpoint_its_reader_pinned(tmp_path, corpus, m
 
 
 @pytest.mark.parametrize("reader", ["eval", "export"])
+def test_a_checkpoint_pruned_during_its_verification_is_not_called_corrupt(tmp_path, corpus, monkeypatch, reader):
+    """Unpinned, a run read whose checkpoint is pruned while its checksums are checked reads the newest one;
+    it does not fall back to an older kept one (keep_every) as if the pruned one were corrupt."""
+    monkeypatch.setattr(readers, "_pinning", lambda ckpt: contextlib.nullcontext())
+    run = tmp_path / "run"
+    Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 4, 4)), log=lambda *_: None).fit()
+    root = run / "checkpoints"
+    want = read_checkpoint(str(root / "step_00000004"), log=pytest.fail).state
+    shutil.move(root / "step_00000004", tmp_path / "later")
+    atomic_write(str(root / "latest"), "step_00000003\n")
+    real_verify = ckpt._verify
+
+    def verify_while_the_trainer_saves(path, meta):
+        if (tmp_path / "later").exists():  # step 4 appears; keep_last=1, keep_every=2 keep steps 2 and 4
+            shutil.move(tmp_path / "later", root / "step_00000004")
+            atomic_write(str(root / "latest"), "step_00000004\n")
+            ckpt._retain(str(root), 4, 1, 2)
+        return real_verify(path, meta)
+
+    monkeypatch.setattr(ckpt, "_verify", verify_while_the_trainer_saves)
+    lines = []
+    if reader == "eval":
+        got = load_for_inference(str(run), log=lines.append, need=())[0].state_dict()
+    else:
+        got = read_checkpoint(str(run), log=lines.append).state
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000004"]
+    assert lines == ["checkpoint step_00000003 was pruned by the trainer while being read; reading step_00000004 "
+                     "instead"], lines
+    assert_weights(got, want)
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
 def test_an_unusable_latest_is_said_once(tmp_path, corpus, reader):
     run = tmp_path / "run"
     Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 2, 2)), log=lambda *_: None).fit()
