@@ -50,7 +50,7 @@ from parallel.state import LocalState, SavedModel, as_state  # noqa: F401  (chec
 from pretrain.checkpoint_integrity import (CHECKSUM, META_FILE, _multi, _rank_checksums, _remaining_checksums,
                                            _verify)
 from pretrain.preemption import sigint_deferred
-from pretrain.readers import pinned
+from pretrain.read_pins import pinned
 
 SCHEMA_VERSION = 1
 OPTIM_FILE, LATEST_FILE, DCP_METADATA = "optim.json", "latest", ".metadata"

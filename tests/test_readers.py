@@ -13,7 +13,7 @@ import torch
 
 from data_tools.files import atomic_write
 from pretrain import checkpoint as ckpt
-from pretrain import readers
+from pretrain import read_pins
 from pretrain.config import load_config
 from pretrain.export.source import read_checkpoint
 from pretrain.generate import load_for_inference
@@ -59,9 +59,9 @@ def read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader, once_pin
             the_trainer_saves_and_prunes()
             yield
 
-    real_pinning = readers._pinning
+    real_pinning = read_pins.pinning
     if once_pinned:  # a run's read must then load what it pinned, not whatever `latest` names by now
-        monkeypatch.setattr(readers, "_pinning", pinning)
+        monkeypatch.setattr(read_pins, "pinning", pinning)
     else:
         monkeypatch.setattr(ckpt.dcp, "load", load)
     if reader == "eval":
@@ -80,7 +80,7 @@ def assert_weights(got, want):
 @pytest.mark.parametrize("reader", ["eval", "export"])
 def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, corpus, monkeypatch, reader):
     # a reader that cannot pin (a run directory it cannot write to) loses its checkpoint to retention
-    monkeypatch.setattr(readers, "_pinning", lambda ckpt: contextlib.nullcontext())
+    monkeypatch.setattr(read_pins, "pinning", lambda ckpt: contextlib.nullcontext())
     root, got, lines, pins, want = read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader)
     assert pins == [] and sorted(os.listdir(root)) == ["latest", "step_00000003"]
     assert any("step_00000002 was pruned by the trainer while being read; reading step_00000003 instead" in ln
@@ -91,7 +91,7 @@ def test_a_checkpoint_pruned_during_the_read_is_read_from_the_newest(tmp_path, c
 @pytest.mark.parametrize("reader", ["eval", "export"])
 def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, monkeypatch, reader):
     root, got, lines, pins, want = read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader)
-    assert pins == [readers._pin_name("step_00000002")]
+    assert pins == [read_pins.pin_name("step_00000002")]
     assert not lines, lines  # finished on step 2, no fallback
     assert_weights(got, want[2])
     assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000003"]  # the pin is gone...
@@ -103,7 +103,7 @@ def test_retention_keeps_the_checkpoint_a_reader_is_loading(tmp_path, corpus, mo
 def test_a_run_is_read_from_the_checkpoint_its_reader_pinned(tmp_path, corpus, monkeypatch, reader):
     root, got, lines, pins, want = read_while_the_trainer_saves(tmp_path, corpus, monkeypatch, reader,
                                                                 once_pinned=True)
-    assert pins == [readers._pin_name("step_00000002")] and not lines, lines
+    assert pins == [read_pins.pin_name("step_00000002")] and not lines, lines
     assert_weights(got, want[2])
 
 
@@ -111,7 +111,7 @@ def test_a_run_is_read_from_the_checkpoint_its_reader_pinned(tmp_path, corpus, m
 def test_a_checkpoint_pruned_during_its_verification_is_not_called_corrupt(tmp_path, corpus, monkeypatch, reader):
     """Unpinned, a run read whose checkpoint is pruned while its checksums are checked reads the newest one;
     it does not fall back to an older kept one (keep_every) as if the pruned one were corrupt."""
-    monkeypatch.setattr(readers, "_pinning", lambda ckpt: contextlib.nullcontext())
+    monkeypatch.setattr(read_pins, "pinning", lambda ckpt: contextlib.nullcontext())
     run = tmp_path / "run"
     Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 4, 4)), log=lambda *_: None).fit()
     root = run / "checkpoints"
@@ -159,14 +159,14 @@ def test_pins_of_dead_readers_are_removed_and_old_pins_expire(tmp_path, monkeypa
     root = tmp_path / "checkpoints"
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    here, mine = readers._process_space(), readers._pin_name("step_00000002")
+    here, mine = read_pins._process_space(), read_pins.pin_name("step_00000002")
     elsewhere = f".read-step_00000003-other-host-{dead}"  # a pid that is dead here means nothing there
     for name in (f".read-step_00000001-{here}-{dead}", mine, elsewhere):
         (root / name).touch()
     ckpt._retain(str(root), 4, 1, 0)  # the dead reader's pin goes, with its checkpoint; the others keep theirs
     assert sorted(os.listdir(root)) == [mine, elsewhere, "latest", "step_00000002", "step_00000003",
                                         "step_00000004"]
-    old = time.time() - readers.PIN_S - 1
+    old = time.time() - read_pins.PIN_S - 1
     os.utime(root / elsewhere, (old, old))  # that host's reader was killed an hour ago
     os.utime(root / mine, (old, old))  # a live pid, but not a reader any more (a reused pid)
     ckpt._retain(str(root), 4, 1, 0)  # pins older than an hour count no more, and go
@@ -176,12 +176,12 @@ def test_pins_of_dead_readers_are_removed_and_old_pins_expire(tmp_path, monkeypa
 def test_a_pin_sits_beside_the_checkpoint_however_it_is_named(tmp_path):
     (tmp_path / "checkpoints" / "step_00000007").mkdir(parents=True)
     (tmp_path / "copy").mkdir()
-    pin = readers._pin_name("step_00000007")
-    with readers._pinning(str(tmp_path / "checkpoints" / "step_00000007") + "/"):  # a trailing slash, as typed
+    pin = read_pins.pin_name("step_00000007")
+    with read_pins.pinning(str(tmp_path / "checkpoints" / "step_00000007") + "/"):  # a trailing slash, as typed
         assert sorted(os.listdir(tmp_path / "checkpoints")) == [pin, "step_00000007"]
         assert os.listdir(tmp_path / "checkpoints" / "step_00000007") == []  # never inside the checkpoint
     assert os.listdir(tmp_path / "checkpoints") == ["step_00000007"]
-    with readers._pinning(str(tmp_path / "copy")):  # not a name retention prunes: nothing to pin
+    with read_pins.pinning(str(tmp_path / "copy")):  # not a name retention prunes: nothing to pin
         assert sorted(os.listdir(tmp_path)) == ["checkpoints", "copy"]
 
 
