@@ -22,6 +22,8 @@ from pretrain import read_pins
 
 T = TypeVar("T")
 ATTEMPTS = 10  # a reader that loses this many races in a row is told so (each is a whole save apart)
+
+
 def _identity(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
