@@ -50,7 +50,7 @@ from parallel.state import LocalState, SavedModel, as_state  # noqa: F401  (chec
 from pretrain.checkpoint_integrity import (CHECKSUM, META_FILE, _multi, _rank_checksums, _remaining_checksums,
                                            _verify)
 from pretrain.preemption import sigint_deferred
-from pretrain.read_pins import pinned
+from pretrain.read_pins import pinned, pinning
 
 SCHEMA_VERSION = 1
 OPTIM_FILE, LATEST_FILE, DCP_METADATA = "optim.json", "latest", ".metadata"
@@ -567,14 +567,16 @@ def load_latest(run_dir: str, model, optimizer=None, restore_rng: bool = True, e
     pinned it), falling back to the newest older one when it is unusable (incomplete, truncated, or
     failing its checksums), each fallback said in one line; return (path, meta), or (None, None) when
     the run has no complete checkpoint. When every complete checkpoint fails its checksums this
-    raises: starting over would discard them."""
+    raises: starting over would discard them. A reader's fallback (`start` given) is pinned for its
+    read as the reader pinned `start` (pretrain/read_pins.py)."""
     path = start or latest_checkpoint(run_dir, log=log)
     if path is None:
         return None, None
     root, first_error = os.path.dirname(path), None
     while True:
         try:
-            return path, load_checkpoint(path, model, optimizer, restore_rng, expect_arch, verify, log)
+            with pinning(path) if start is not None and path != start else contextlib.nullcontext():
+                return path, load_checkpoint(path, model, optimizer, restore_rng, expect_arch, verify, log)
         except CorruptCheckpoint as e:  # raised before anything was modified
             if not os.path.isdir(path):  # pruned under the read, not corrupt: the caller's to handle
                 raise CheckpointError(f"checkpoint {path} was removed while being read") from None

@@ -304,7 +304,6 @@ def test_truncated_backprop_takes_no_gradient_from_the_first_passes():
     # the same computation by hand: the first R - k passes under no_grad, then the last k with gradient
     full = model_of(n_loops=R)
     full.load_state_dict(model.state_dict())
-    states = {}
     original = CART._pass
 
     def spy(self, r, buf, *rest):

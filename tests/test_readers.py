@@ -140,6 +140,42 @@ def test_a_checkpoint_pruned_during_its_verification_is_not_called_corrupt(tmp_p
 
 
 @pytest.mark.parametrize("reader", ["eval", "export"])
+def test_the_checkpoint_a_reader_falls_back_to_is_pinned_too(tmp_path, corpus, monkeypatch, reader):
+    """The pinned checkpoint fails its checksums, so the read falls back to the one before it; a save with
+    keep_last=1 during that load keeps both (the fallback is pinned like the first)."""
+    from test_checkpoint_integrity import flip_byte_in_tensor_data
+
+    run = tmp_path / "run"
+    Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 4, 4)), log=lambda *_: None).fit()
+    root = run / "checkpoints"
+    want = read_checkpoint(str(root / "step_00000002"), log=pytest.fail).state
+    shutil.move(root / "step_00000004", tmp_path / "later")  # the trainer has not written step 4 yet
+    atomic_write(str(root / "latest"), "step_00000003\n")
+    bad = flip_byte_in_tensor_data(str(root / "step_00000003"))
+    real_load, pins = ckpt.dcp.load, []
+
+    def load_while_the_trainer_saves(*args, **kwargs):
+        if (tmp_path / "later").exists():  # step 4 appears, latest moves, keep_last=1 prunes the rest
+            pins.extend(sorted(n for n in os.listdir(root) if n.startswith(".read-")))
+            shutil.move(tmp_path / "later", root / "step_00000004")
+            atomic_write(str(root / "latest"), "step_00000004\n")
+            ckpt._retain(str(root), 4, 1, 0)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.dcp, "load", load_while_the_trainer_saves)
+    lines = []
+    if reader == "eval":
+        got = load_for_inference(str(run), log=lines.append, need=())[0].state_dict()
+    else:
+        got = read_checkpoint(str(run), log=lines.append).state
+    assert pins == sorted(read_pins.pin_name(f"step_0000000{s}") for s in (2, 3))
+    assert lines == [f"checkpoint step_00000003 is corrupt ({bad} does not match the checksum recorded when it was "
+                     "saved); falling back to step_00000002"], lines
+    assert_weights(got, want)
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000003", "step_00000004"]  # pins gone
+
+
+@pytest.mark.parametrize("reader", ["eval", "export"])
 def test_an_unusable_latest_is_said_once(tmp_path, corpus, reader):
     run = tmp_path / "run"
     Trainer(load_config("baseline/tiny", overrides(tmp_path, corpus, run, 2, 2)), log=lambda *_: None).fit()
