@@ -51,6 +51,7 @@ from pretrain.checkpoint_integrity import (CHECKSUM, META_FILE, _multi, _rank_ch
                                            _verify)
 from pretrain.preemption import sigint_deferred
 from pretrain.read_pins import pinned, pinning
+from pretrain.runlock import pid_alive
 
 SCHEMA_VERSION = 1
 OPTIM_FILE, LATEST_FILE, DCP_METADATA = "optim.json", "latest", ".metadata"
@@ -423,16 +424,6 @@ def _publish(tmp: str, final: str, meta: dict, pid: int) -> None:
     else:
         os.rename(tmp, final)
         fsync_path(root)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except OSError:  # EPERM: it exists, as someone else's
-        return True
-    return pid > 0  # 0 would have signalled our own process group
 
 
 def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> None:

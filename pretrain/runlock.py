@@ -73,13 +73,14 @@ class Holder:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (in this PID namespace)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):
         return False
-    except PermissionError:  # exists, another user's
+    except OSError:  # EPERM: it exists, as someone else's
         return True
-    return True
+    return pid > 0  # 0 would have signalled our own process group
 
 
 def read_holder(path: str) -> tuple[Holder | None, float]:

@@ -96,7 +96,7 @@ def check_output(out: str, force: bool, source: str | None = None) -> None:
 
 def _remove_leftovers(out: str) -> None:
     """Temporary or set-aside siblings of `out` left by killed processes (their pid is gone)."""
-    from pretrain.checkpoint import pid_alive
+    from pretrain.runlock import pid_alive
 
     parent, name = os.path.split(out)
     pattern = re.compile(rf"\.{re.escape(name)}\.(?:tmp|old)-(\d+)")
