@@ -126,16 +126,21 @@ def _mpi_rendezvous() -> tuple[str, int]:
     return comm.bcast(addr, root=0)
 
 
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+
+
 def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float = 600.0) -> DistEnv:
-    """Create the default process group (no-op for a single process); gloo on CPU, NCCL on GPU."""
+    """Create the default process group (no-op for a single process); gloo on CPU; on GPU NCCL for CUDA
+    tensors with gloo beside it for the host's few (the stop and lock flags, object collectives): a group
+    of NCCL alone refuses a CPU tensor, and putting a flag on the device would add a sync to every step."""
     import torch
     import torch.distributed as dist
 
     if env.world_size == 1 or dist.is_initialized():
         return env
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+        backend = GPU_BACKEND if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend:
         torch.cuda.set_device(env.local_rank)
     dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))

@@ -68,13 +68,13 @@ def grad_square_sum(params: list[torch.nn.Parameter]) -> torch.Tensor:
     summed over the TP group) and the rest are replicated (counted once): a float32 scalar."""
     sharded = [p.grad for p in params if p.grad is not None and is_tensor_parallel(p)]
     replicated = [p.grad for p in params if p.grad is not None and not is_tensor_parallel(p)]
-    sq = torch.zeros(2, dtype=torch.float32)
-    for i, grads in enumerate((sharded, replicated)):
-        if grads:
-            sq[i] = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    # on the gradients' device: no copy to the host (a sync), and NCCL reduces device tensors only
+    sq = [torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else
+          torch.zeros((), dtype=torch.float32, device=device) for grads in (sharded, replicated)]
     if layout().tp > 1:
-        collective("all_reduce(grad norm)", dist.all_reduce, sq[:1], group=layout().tp_group)
-    return sq.sum()
+        collective("all_reduce(grad norm)", dist.all_reduce, sq[0], group=layout().tp_group)
+    return sq[0] + sq[1]
 
 
 def tensor_parallel_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -197,7 +197,8 @@ class PipelineEngine(Engine):
         model = self.model
         n = len(micro_batches)
         weights = torch.ones(n) if weights is None else weights
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        device = next(model.parameters()).device  # the sums are reduced over the stages: NCCL needs device tensors
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         sums: dict[str, torch.Tensor] = {}
 
         def step(data_iterator, view):
@@ -258,7 +259,7 @@ class PipelineEngine(Engine):
         collective("all_gather_object(diagnostic names)", dist.all_gather_object, names, sorted(sums),
                    group=lay.pp_group)
         every = sorted({n for stage in names for n in stage})
-        flat = torch.stack([loss_sum, *(sums.get(n, torch.zeros(())) for n in every)]).float()
+        flat = torch.stack([loss_sum, *(sums.get(n, loss_sum.new_zeros(())).to(loss_sum.device) for n in every)]).float()
         collective("all_reduce(loss and diagnostics over stages)", dist.all_reduce, flat, group=lay.pp_group)
         return flat[0], {n: flat[1 + k] for k, n in enumerate(every)}
 

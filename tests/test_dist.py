@@ -84,3 +84,36 @@ def test_exit_process_leaves_a_process_group_with_its_code_and_output(code):
     assert res.returncode == code, res.stderr
     assert res.stdout == "trained"
     assert "terminate called" not in res.stderr
+
+
+def test_on_a_gpu_the_group_is_nccl_with_gloo_beside_it_for_host_tensors(monkeypatch):
+    """A group of NCCL alone refuses a CPU tensor ("No backend type associated with device type cpu"), and
+    the stop and lock flags and object collectives are host tensors: on a GPU the default group is NCCL for
+    CUDA tensors and gloo for CPU ones."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from parallel.dist import DistEnv, init_distributed
+
+    made, devices = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append(backend))
+    init_distributed(DistEnv(3, 4, 1, 2, "127.0.0.1", 29500, "torchrun"))
+    assert devices == [1] and len(made) == 1
+    assert BackendConfig(Backend(made[0])).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+
+
+def test_the_gradient_norm_stays_on_the_gradients_device():
+    """grad_square_sum builds its sums where the gradients are (meta here, CUDA on a GPU): no copy to the host,
+    and a tensor NCCL can reduce over the tensor-parallel group."""
+    from parallel.grads import grad_square_sum
+
+    params = [torch.nn.Parameter(torch.zeros(3, device="meta")) for _ in range(2)]
+    for p in params:
+        p.grad = torch.ones(3, device="meta")
+    assert grad_square_sum(params).device.type == "meta"
+    cpu = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    for i, p in enumerate(cpu):
+        p.grad = torch.full((3,), float(i + 1))
+    assert grad_square_sum(cpu).item() == 15.0  # 3 x 1 + 3 x 4
