@@ -22,8 +22,10 @@ constant lr, log_every=1. Figures are medians over the steps after --warmup: inp
 and MFU by the registry's flops_per_token, the peak memory the trainer logs beside the planner's estimate for
 the run (pretrain/plan.py's rank_bytes at that micro batch, bf16 on a GPU), compile time (the first
 step's time beyond a steady step), and the attention path that ran. Each row has a time cap (--cap);
-a row that passes it is marked and the suite goes on. On a GPU a run is stopped once its last step is
-recorded (its end-of-run evaluation and checkpoint would measure nothing). The table is written to OUT/suite_<part>.md
+a row that passes it is marked and the suite goes on. A run trains to one step past its timed ones, and on
+a GPU it is stopped once its last timed step is recorded (the end-of-run evaluation, a second compile, and
+the checkpoint would measure nothing); a SIGTERM to the suite (gpu_session.sh's `timeout`) ends the running
+row's processes too. The table is written to OUT/suite_<part>.md
 (and .json) and, with --append FILE, appended to FILE with the device, torch, Triton, commit and date.
 --profile ROW captures a torch.profiler table of a few steps of that row (OUT/profile_<row>.txt).
 --dry-run checks every row's real config and overrides, then trains each architecture's tiny config
@@ -142,7 +144,9 @@ def fresh_run_dir(out: Path, name: str) -> Path:
 
 def row_overrides(row: Row, micro: int, steps: int, data: str, tok: str, run_dir: Path, dry: bool) -> list[str]:
     out = [*row.overrides, f"data.train=[{data}]", "data.valid=[]", "data.split=98,2,0", f"data.tokenizer={tok}",
-           f"data.cache_dir={run_dir.parent / 'cache'}", f"train.run_dir={run_dir}", f"train.max_steps={steps}",
+           # one step past the timed ones: the last timed step's record is written without the end-of-run
+           # evaluation (a second compile, under no_grad), so a GPU row is stopped right after it
+           f"data.cache_dir={run_dir.parent / 'cache'}", f"train.run_dir={run_dir}", f"train.max_steps={steps + 1}",
            f"train.global_batch_seqs={micro}", f"train.micro_batch_seqs={micro}", "train.log_every=1",
            "train.eval_every=0", "train.eval_batches=1", "schedule.kind=constant", "schedule.warmup_steps=0",
            f"checkpoint.every={steps + 1}", f"train.compile={str(row.compile and not dry).lower()}"]
@@ -173,13 +177,16 @@ def run_capped(cmd: list[str], cap: float, log_path: Path, stop=lambda: False, e
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         ended = "exit"
-        while proc.poll() is None:
-            ended = "cap" if time.perf_counter() - t0 > cap else "stop" if stop() else "exit"
-            if ended != "exit":
+        try:
+            while proc.poll() is None:
+                ended = "cap" if time.perf_counter() - t0 > cap else "stop" if stop() else "exit"
+                if ended != "exit":
+                    break
+                time.sleep(0.5)
+        finally:  # stopped, capped, or the suite itself ended (SIGTERM from `timeout`): the group goes too
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                break
-            time.sleep(0.5)
     return ended, proc.returncode, log_path.read_text(), time.perf_counter() - t0
 
 
@@ -204,14 +211,14 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
     result = {"row": row.name, "config": row.config, "note": row.note, "compiled": row.compile and not args.dry_run,
               "micro": micro, "seq_len": seq_len, "planner_gib": planner_gib(cfg, micro, seq_len)}
     metrics = run_dir / "metrics.jsonl"
-    # On a GPU the run is stopped once its last step is recorded: the end-of-run evaluation (a second
-    # compilation, under no_grad) and checkpoint would spend the part's minutes measuring nothing. The
-    # dry run ends by itself, so the whole path is exercised on the CPU.
+    # On a GPU the run is stopped once its last timed step is recorded (it trains to steps + 1: the step after,
+    # the end-of-run evaluation, a second compilation under no_grad, and the checkpoint would spend the
+    # part's minutes measuring nothing). The dry run ends by itself, so the whole path is exercised on the CPU.
     cap = args.cap * row.cap_x
     ended, rc, log, result["wall_s"] = run_capped(
         [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], cap, out / f"log_{run_dir.name}.txt",
         stop=lambda: not args.dry_run and last_step(metrics) >= steps, env=None if args.dry_run else row.env)
-    result.update(read_metrics(metrics, args.warmup, micro * seq_len))
+    result.update(read_metrics(metrics, args.warmup, micro * seq_len, upto=steps))
     if ended == "stop":
         result["status"] = "ok"
     elif ended == "cap":
@@ -260,9 +267,9 @@ def last_step(path: Path) -> int:
     return 0
 
 
-def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict:
-    """Medians of the per-step records after `warmup` (each record's window is one step: log_every=1);
-    compile time = the first step's time beyond a steady step's. A torn last line is skipped."""
+def read_metrics(path: Path, warmup: int, tokens_per_step: int, upto: int | None = None) -> dict:
+    """Medians of the per-step records after `warmup` and up to step `upto` (each record's window is one step:
+    log_every=1); compile time = the first step's time beyond a steady step's. A torn last line is skipped."""
     if not path.exists():
         return {}
     records = []
@@ -271,7 +278,7 @@ def read_metrics(path: Path, warmup: int, tokens_per_step: int) -> dict:
             r = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if r.get("tokens_per_s"):
+        if r.get("tokens_per_s") and (upto is None or r.get("step", 0) <= upto):
             records.append(r)
     if not records:
         return {}
@@ -311,8 +318,8 @@ def hf_row(config: str, overrides: list[str], micro: int, seq_len: int, steps: i
     times, t_first = [], 0.0
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        with autocast:
-            loss = compiled(input_ids=tokens, labels=tokens).loss
+        with autocast:  # use_cache=False: with it on, training builds a KV cache (copies of K and V per layer)
+            loss = compiled(input_ids=tokens, labels=tokens, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -388,6 +395,8 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
     cuda = torch.cuda.is_available() and not args.dry_run
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     step, done = trainer._optimizer_step, [0]
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path = out / f"profile_{run_dir.name[len('profile_'):]}.txt"
 
     def stepped(*a, **k):  # the capture holds the two steps after the warm-up (compile) steps
         if done[0] == args.warmup:
@@ -398,14 +407,20 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
             if cuda:
                 torch.cuda.synchronize()
             prof.stop()
+            path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+            raise _Captured  # the rest of the run (its evaluation and checkpoint) would measure nothing
         return result
 
     trainer._optimizer_step = stepped
-    trainer.fit()
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    path = out / f"profile_{run_dir.name[len('profile_'):]}.txt"
-    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
+    try:
+        trainer.fit()
+    except _Captured:
+        pass
     return path
+
+
+class _Captured(Exception):
+    """The profile is written: the profiled run ends here."""
 
 
 # -- the table --------------------------------------------------------------------------------------
@@ -502,8 +517,11 @@ def header(args) -> str:
     except ImportError:
         triton_version = "none"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "CPU (dry run)"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True).stdout.strip() or "unknown"
+    try:
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                               text=True).stdout.strip() or "unknown"
+    except OSError:  # no git on the machine: COMMIT= names it
+        commit = "unknown"
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"### gpu_suite --part {args.part}: {device}, torch {torch.__version__}, Triton {triton_version}, "
             f"commit {commit}, {when}\n\n{args.warmup} warm-up steps, then the median of {args.steps}; "
@@ -528,6 +546,9 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="CPU, each architecture's tiny config, no compile")
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)  # internal: one HF run as a subprocess
     args = p.parse_args(argv)
+    # `timeout` (gpu_session.sh) sends SIGTERM: end through SystemExit, so each row's process group is killed
+    # (run_capped) rather than left training on the GPU into the next stage
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.dry_runs = {}  # a dry run's (config, overrides) -> its result
     sys.path.insert(0, str(ROOT))
     if args.hf_row:

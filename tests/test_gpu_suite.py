@@ -64,8 +64,53 @@ def test_a_second_suite_into_the_same_folder_trains_afresh(tmp_path):
         assert proc.returncode == 0, f"run {attempt}: " + proc.stdout[-2000:] + proc.stderr[-2000:]
         log = (tmp_path / "log_cart_dense-7l.txt").read_text()
         assert "already complete" not in log and "resumed from" not in log, log[-1000:]
-        assert "step 2/2" in log, log[-1000:]
+        assert "step 2/3" in log, log[-1000:]
         assert "already complete" not in proc.stdout + proc.stderr  # the in-process profile run trained too
+    # a row trains one step past its timed ones, so the last timed step's record comes without the end-of-run
+    # evaluation (on a GPU the row is stopped there); the dry run goes on to the end by itself
+    records = [json.loads(ln) for ln in (tmp_path / "runs/cart_dense-7l/metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], "val_loss" in r) for r in records] == [(1, False), (2, False), (3, True)]
+    assert json.loads((tmp_path / "suite_transformer.json").read_text())[0]["last_step"] == 2
+    # the profile is written when its capture (steps 2 and 3) ends, and its run ends there: step 3 is not even
+    # logged, and there is no evaluation
+    profiled = (tmp_path / "runs/profile_cart_dense-7l/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in profiled] == [1, 2] and "val_loss" not in profiled[-1]
+    assert (tmp_path / "profile_cart_dense-7l.txt").stat().st_size > 0
+
+
+def test_a_suite_ended_by_sigterm_takes_its_running_row_with_it(tmp_path):
+    """gpu_session.sh ends a stage with `timeout` (SIGTERM); the row's `pretrain train` runs in a process group
+    of its own and must not go on training on the GPU into the next stage."""
+    import os
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "transformer",
+                             "--dry-run", "--only", "cart/dense-7l", "--out", str(tmp_path)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def row_pids() -> list[int]:
+        found = subprocess.run(["pgrep", "-f", f"train.run_dir={tmp_path}"], capture_output=True, text=True)
+        return [int(p) for p in found.stdout.split()]
+
+    deadline = time.monotonic() + 120
+    while not row_pids() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = row_pids()
+    assert pids, "the row never started"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    time.sleep(0.5)
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    for pid in alive:  # (a failing run's leftovers are cleaned up, then reported)
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"the row's processes {alive} outlived the suite"
 
 
 def test_a_compiled_rows_phases_go_under_the_table():
