@@ -17,6 +17,7 @@ graphed forward at batches >= 512, as they were to the paper's table, and printe
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import time
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
 
     phases = [False] if args.no_backward else [False, True]
     rows, held = {}, {}  # held: what the graphs of each batch size hold (captured.summary)
-    for B in batches:
+
+    def measure(B):
         for mode in ("off", "on"):
             for backward in phases:
                 try:
@@ -110,6 +112,21 @@ def main(argv=None) -> int:
         print(f"batch {B}: " + ", ".join(f"{'graphs' if m == 'on' else 'eager'} {'fwd+bwd' if b else 'fwd'} "
                                         f"{rows[(B, m, b)]:.2f} ms" if rows[(B, m, b)] is not None else "OOM"
                                         for m in ("off", "on") for b in phases), flush=True)
+
+    def ended(*_):
+        raise _Ended
+
+    signal.signal(signal.SIGTERM, ended)  # gpu_session.sh's `timeout`: the table of the batches done so far
+    done = []
+    print(f"measuring batches {', '.join(map(str, batches))} ({args.tile} tile) ...", flush=True)
+    for B in batches:
+        try:
+            measure(B)
+        except _Ended:
+            print(f"batch {B}: stopped (SIGTERM); the table has the batches before it", flush=True)
+            break
+        done.append(B)
+    batches = done
     what = f"d {args.d_model}, {args.heads} heads, N {args.seq}, leaf {args.leaf}, {args.tile} tile"
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
     print(f"\n### One RT layer's forward, ms ({what}; {dev}, torch {torch.__version__})\n")
@@ -134,6 +151,10 @@ def main(argv=None) -> int:
               f"step {step_s * 1e6:.1f} us, kappa {kappa:.3f} (today's, from the paper's table at "
               f"{RT_TABLE_SHAPE}: {SERIAL_STEP_S * 1e6:.1f} us, {SERIAL_KAPPA:.3f})")
     return 0
+
+
+class _Ended(Exception):
+    """SIGTERM: measuring stops, the table is printed."""
 
 
 if __name__ == "__main__":

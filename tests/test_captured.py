@@ -484,6 +484,25 @@ def test_the_rt_layer_benchmark_runs_its_table_on_a_cpu():
     assert "- batch 4: captured: rt_prefill forward 1 graph, rt_prefill backward 1 graph;" in proc.stdout
 
 
+def test_the_rt_layer_benchmark_ended_by_sigterm_prints_the_batches_it_finished():
+    """gpu_session.sh gives the layer stage a time limit (`timeout`, SIGTERM): what was measured is printed as
+    the table, not lost."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, str(root / "benchmarks/bench_rt_layer.py"), "--dry-run", "--reps",
+                             "1000000"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = proc.stdout.readline()  # measuring starts: the handler is in place; batch 2's million reps never end
+    proc.send_signal(signal.SIGTERM)
+    out = first + proc.stdout.read()
+    assert proc.wait(timeout=60) == 0, out[-2000:]
+    assert first.startswith("measuring batches 2, 4") and "batch 2: stopped (SIGTERM)" in out, out[-2000:]
+    assert "### One RT layer's forward" in out and "| ours, CUDA graphs, fwd+bwd |" in out, out[-2000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to capture CUDA graphs")
 def test_a_capture_broken_by_a_host_sync_falls_back_cleanly_on_cuda():
