@@ -1,3 +1,4 @@
+import glob
 import os
 import sys
 
@@ -10,7 +11,8 @@ if ROOT not in sys.path:  # the project's own `kernels`/`parallel`, never same-n
 # Without a GPU, Triton kernels run only in Triton's interpreter, and Triton reads TRITON_INTERPRET once,
 # when it is first imported (its own library functions are decorated then): set it before anything can
 # import triton. Nothing picks a Triton path on a CPU unless a test forces it (kernels/attention/triton_path.py).
-if not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+# A container may be given /dev/nvidia3 alone: any numbered device node counts.
+if not glob.glob("/dev/nvidia[0-9]*") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
