@@ -16,9 +16,12 @@
 #     DRY=1 bash benchmarks/gpu_session.sh all        # rehearse it on a CPU (tiny shapes; the gpu tests skip)
 set -u; cd "$(dirname "$0")/.."; OUT=${OUT:-gpu_out}; PART=${1:-transformer}; mkdir -p "$OUT"
 STAGES=",${STAGES:-suite,profile,layer,tests},"; has() { [[ "$STAGES" == *",$1,"* ]]; }
-if ls .whl/*.whl >/dev/null 2>&1; then  # the device image lacks omegaconf and antlr4: carried as wheels
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
+# the device image lacks omegaconf and antlr4 (and megatron-core, for its gpu tests): carried as wheels, each
+# installed alone so that one the image's Python cannot take (megatron-core's is built per Python) skips only itself
+for w in .whl/*.whl; do [ -e "$w" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$w" \
+    >/dev/null 2>&1 || echo "wheel not installed (this Python cannot take it): $w"
+done
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
 if [ "$PART" = serial ]; then ROW=${PROFILE_ROW:-rt/300m-12l graphs}; PPART=serial; STEPS=${STEPS:-3}; CAP=${CAP_S:-100}
@@ -40,7 +43,7 @@ if has layer && [ "$PART" = serial ]; then
 fi
 if has tests; then
   timeout "${TESTS_S:-120}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_ops.py \
-    tests/test_gpu_compile.py tests/test_phase_timer.py tests/test_captured.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_gpu_compile.py tests/test_phase_timer.py tests/test_captured.py tests/test_gpu_engines.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: rc $?"
   # the Triton kernels' tests run on CUDA when Triton's interpreter is off (it is, with a GPU: tests/conftest.py)
   timeout "${KERNEL_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_delta_memory_triton.py \

@@ -141,7 +141,9 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     if backend is None:
         backend = GPU_BACKEND if torch.cuda.is_available() else "gloo"
     if "nccl" in backend:
-        torch.cuda.set_device(env.local_rank)
+        # the rank's GPU among those it sees: a launcher that shows each task only its own GPU (Slurm's
+        # --gpus-per-task, a per-rank CUDA_VISIBLE_DEVICES) makes that device 0 whatever the local rank
+        torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
     dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
                             world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return env

@@ -63,12 +63,13 @@ def all_reduce_tp_grads(grads: list[torch.Tensor]) -> None:
         all_reduce_flat(grads, layout().tp_group, "sequence-parallel grads")
 
 
-def grad_square_sum(params: list[torch.nn.Parameter]) -> torch.Tensor:
+def grad_square_sum(params: list[torch.nn.Parameter], device: torch.device | None = None) -> torch.Tensor:
     """The sum of squared gradients over the model when some parameters are TP shards (their squares
-    summed over the TP group) and the rest are replicated (counted once): a float32 scalar."""
+    summed over the TP group) and the rest are replicated (counted once): a float32 scalar, on `device`
+    (default: the parameters'; a pipeline stage with no gradient of its own still joins the stages' sum)."""
     sharded = [p.grad for p in params if p.grad is not None and is_tensor_parallel(p)]
     replicated = [p.grad for p in params if p.grad is not None and not is_tensor_parallel(p)]
-    device = next((p.grad.device for p in params if p.grad is not None), torch.device("cpu"))
+    device = device or next((p.device for p in params), torch.device("cpu"))
     # on the gradients' device: no copy to the host (a sync), and NCCL reduces device tensors only
     sq = [torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else
           torch.zeros((), dtype=torch.float32, device=device) for grads in (sharded, replicated)]

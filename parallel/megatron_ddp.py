@@ -143,7 +143,9 @@ class MegatronState:
                 inner, key, start, end = owned[n]
                 for k in _ADAM_KEYS:
                     entry[k][start:end] = inner[key][k].reshape(-1)
-                step = inner[key]["step"].detach().float().clone()
+                # on the host on every rank (a fused AdamW keeps it on the GPU): a rank that owns none of this
+                # parameter reduces a host zero, and the collective must take the same backend on every rank
+                step = inner[key]["step"].detach().to("cpu", torch.float32, copy=True)
             if self.engine.distributed:  # each rank filled the ranges it owns
                 flat = torch.cat([entry[k] for k in _ADAM_KEYS])
                 collective("all_reduce(optimizer state)", dist.all_reduce, flat, group=layout().dp_group)
@@ -168,8 +170,13 @@ class MegatronState:
         owned = self._owned()
         for inner, _, _, _ in owned.values():
             inner.clear()
+        # written in directly (not through load_state_dict, which would place them): the moments on their
+        # parameter's device, `step` there too for a fused or capturable AdamW (torch's rule), else on the host
+        opts = [o.optimizer for o in getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])]
+        device_step = any(g.get("fused") or g.get("capturable") for o in opts for g in o.param_groups)
         for n, (inner, key, start, end) in owned.items():
             if n in optim_state:
                 s = optim_state[n]
-                inner[key] = {"step": s["step"].clone(),
-                              **{k: s[k].reshape(-1)[start:end].clone().view_as(key) for k in _ADAM_KEYS}}
+                inner[key] = {"step": s["step"].to(key.device if device_step else "cpu", torch.float32, copy=True),
+                              **{k: s[k].reshape(-1)[start:end].to(key.device, copy=True).view_as(key)
+                                 for k in _ADAM_KEYS}}

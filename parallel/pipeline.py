@@ -280,7 +280,7 @@ class PipelineEngine(Engine):
         if tied:
             all_reduce_flat(tied, lay.embedding_group, "tied weights' grads over the first and last stage")
         counted = [p for p in params if not (lay.last_stage and getattr(p, TIED, False))]  # the tied copy once
-        total = grad_square_sum(counted).reshape(1)
+        total = grad_square_sum(counted, next(self.model.parameters()).device).reshape(1)
         collective("all_reduce(grad norm over stages)", dist.all_reduce, total, group=lay.pp_group)
         norm = total[0].sqrt()
         if max_norm > 0:

@@ -115,9 +115,10 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed's collectives need a process group even for one process, where the trainer makes
         # none: a private one-rank gloo group. With several ranks the trainer's group is reused as is.
         _ensure_process_group(settings.parallel.timeout_s)
-        # DeepSpeed insists on LOCAL_RANK, which only torchrun sets: give it the launcher's (srun's,
-        # mpirun's, or 0 for a plain process) as parallel.dist found it
-        os.environ.setdefault("LOCAL_RANK", str(detect_env().local_rank))
+        # DeepSpeed insists on LOCAL_RANK, which only torchrun sets, and takes it for the GPU's index: give it
+        # the device parallel.dist set (on a CPU the launcher's local rank: srun's, mpirun's, 0 for one process)
+        os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available()
+                                                else detect_env().local_rank))
         _init_comm(deepspeed, dist.get_backend())  # wraps the existing group
         self.stage = settings.parallel.zero_stage
         self.model, self.optimizer, self.settings = model, optimizer, settings

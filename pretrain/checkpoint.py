@@ -2,7 +2,8 @@
 
 `run_dir/checkpoints/step_00000100/` holds DCP files (`.metadata`, `__*.distcp`) for the tensors
 {"model": {fqn: tensor}, "optim": {"state": {fqn: {"step", "exp_avg", ...}}}, "rng": {"torch_cpu",
-"torch_cuda_<i>", "generator.<module>.<attr>" (a torch.Generator the model owns)}}, `optim.json`
+"torch_cuda_rank<r>" (rank r's own GPU's; "torch_cuda_<i>" per device before 2026-11-29), "generator.<module>.<attr>"
+(a torch.Generator the model owns)}}, `optim.json`
 (the optimizer's param_groups, parameters named by FQN) and
 `meta.json` (the caller's meta plus schema_version and step). State goes through torch's
 get_/set_*_state_dict, so every key is a parameter name and a later load may reshard into another
@@ -243,11 +244,16 @@ def _model_generators(target) -> dict[str, torch.Generator]:
             for attr, value in vars(module).items() if isinstance(value, torch.Generator)}
 
 
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()  # (apart: a test stands a GPU's generator in on a CPU)
+
+
 def _rng_state(target=None) -> dict[str, torch.Tensor]:
     """The global RNGs' states and those of the model's own generators."""
     rng = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng.update({f"torch_cuda_{i}": torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())})
+    if _has_cuda():  # the rank's own GPU, under a key of its own: DCP keeps one copy of a key
+        # that every rank saves, so per-device keys came back with another rank's view of this rank's GPU
+        rng[f"torch_cuda_rank{dist.get_rank() if dist.is_initialized() else 0}"] = torch.cuda.get_rng_state()
     rng.update({k: g.get_state() for k, g in _model_generators(target).items()})
     return rng
 
@@ -256,7 +262,9 @@ def _set_rng_state(rng: dict[str, torch.Tensor], target) -> None:
     torch.set_rng_state(rng["torch_cpu"])
     generators = _model_generators(target)
     for key, value in rng.items():
-        if key.startswith("torch_cuda_"):
+        if key.startswith("torch_cuda_rank"):
+            torch.cuda.set_rng_state(value)  # this rank's GPU (the template asked for this rank's key only)
+        elif key.startswith("torch_cuda_"):  # a checkpoint from before the per-rank key: per device index
             torch.cuda.set_rng_state(value, int(key.removeprefix("torch_cuda_")))
         elif key in generators:
             generators[key].set_state(value)
@@ -531,6 +539,10 @@ def _state_to_load(path: str, saved: dict, target, restore_rng: bool) -> tuple[d
         if "rng.torch_cpu" not in saved:
             raise CheckpointError(f"checkpoint {path} holds no RNG state")
         state["rng"] = {k: v for k, v in _rng_state(target).items() if f"rng.{k}" in saved}  # CUDA only if saved
+        if _has_cuda():  # a checkpoint from before the per-rank key: this GPU's per-device one
+            legacy = f"torch_cuda_{torch.cuda.current_device()}"
+            if f"rng.{legacy}" in saved:
+                state["rng"][legacy] = torch.cuda.get_rng_state()
     _check(path, saved, state, _held(target, state))
     return state, groups
 

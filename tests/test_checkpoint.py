@@ -280,3 +280,33 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
             save_checkpoint(str(tmp_path), step, model, optimizer, META)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000001"]
     assert latest_checkpoint(str(tmp_path), log=pytest.fail) == good
+
+
+def _each_rank_keeps_its_gpus_rng(rank, world_size, root):
+    """Two ranks, each with a GPU of its own (the CUDA RNG calls stood in for: this is a CPU), save and load."""
+    from unittest import mock
+
+    from pretrain import checkpoint
+    from pretrain.checkpoint import load_checkpoint, save_checkpoint
+
+    mine = torch.full((16,), rank + 1, dtype=torch.uint8)  # this rank's GPU generator, advanced its own way
+    restored = []
+    with mock.patch.object(checkpoint, "_has_cuda", lambda: True), \
+            mock.patch.object(torch.cuda, "device_count", lambda: world_size), \
+            mock.patch.object(torch.cuda, "current_device", lambda: rank), \
+            mock.patch.object(torch.cuda, "get_rng_state", lambda device="cuda": mine.clone()), \
+            mock.patch.object(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state)):
+        model, opt = trained()
+        path = save_checkpoint(root, 1, model, opt, META)
+        mine.zero_()  # the generator moved on; the load puts it back
+        load_checkpoint(path, *tiny(seed=1), log=lambda _: None)
+    return [r.tolist() for r in restored]
+
+
+def test_each_rank_gets_its_own_gpus_rng_state_back(tmp_path):
+    """DCP keeps one copy of a key that every rank saves: the CUDA RNG state is saved under each rank's key, so
+    a resumed rank gets its own GPU's generator back, not another rank's view of it."""
+    from distributed import run_ranks
+
+    restored = run_ranks(_each_rank_keeps_its_gpus_rng, world_size=2, args=(str(tmp_path),))
+    assert restored == [[[1] * 16], [[2] * 16]]

@@ -94,14 +94,18 @@ def test_on_a_gpu_the_group_is_nccl_with_gloo_beside_it_for_host_tensors(monkeyp
 
     from parallel.dist import DistEnv, init_distributed
 
-    made, devices = [], []
+    made, devices, visible = [], [], [2]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible[0])
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: made.append(backend))
     init_distributed(DistEnv(3, 4, 1, 2, "127.0.0.1", 29500, "torchrun"))
     assert devices == [1] and len(made) == 1
     assert BackendConfig(Backend(made[0])).get_device_backend_map() == {"cpu": "gloo", "cuda": "nccl"}
+    visible[0] = 1  # srun --gpus-per-task: local rank 3 sees one GPU, its own, as device 0
+    init_distributed(DistEnv(7, 8, 3, 4, "127.0.0.1", 29500, "slurm"))
+    assert devices == [1, 0]
 
 
 def test_the_gradient_norm_stays_on_the_gradients_device():
