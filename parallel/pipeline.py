@@ -134,14 +134,15 @@ def _recv(peer: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _check_interleaved(lay, settings, virtual: int) -> None:
+def _check_interleaved(lay, settings, virtual: int, device: torch.device) -> None:
     """What megatron-core's interleaved schedule needs, checked before any work (one sentence each)."""
     micro = accumulation_steps(settings.global_batch_seqs, settings.micro_batch_seqs, lay.dp)
     if not interleaving_accepts(lay.pp, micro):
         raise ValueError(f"parallel.virtual_stages={virtual} needs the micro batches per step and rank "
                          f"(train.global_batch_seqs / (train.micro_batch_seqs x dp) = {micro}) to be a multiple of "
                          f"parallel.pp={lay.pp} and at least 2 x parallel.pp")
-    if lay.pp == 2 and dist.get_backend(lay.pp_group) == "gloo":
+    # gloo carries the stages' tensors on a CPU, and beside NCCL (cpu:gloo,cuda:nccl) a CPU model's on a GPU host
+    if lay.pp == 2 and ("nccl" not in dist.get_backend(lay.pp_group) or device.type == "cpu"):
         raise ValueError(f"parallel.virtual_stages={virtual} with parallel.pp=2 is refused over gloo (CPU): "
                          "megatron-core's interleaved schedule then batches a send and a receive with the same "
                          "peer, which gloo pairs wrongly; use parallel.pp=4 or more, or NCCL")
@@ -163,7 +164,7 @@ class PipelineEngine(Engine):
         config = _schedule_config(lay.pp, len(chunks), next(model.parameters()).dtype)
         self.views = [_ScheduleView(config, c) for c in chunks]
         if len(chunks) > 1:
-            _check_interleaved(lay, settings, len(chunks))
+            _check_interleaved(lay, settings, len(chunks), next(model.parameters()).device)
         self.state = FullState(PipelineState(LocalState(model, optimizer), model), model)
         self._forward_only = PipelineForward(self)
 
