@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -73,14 +74,17 @@ def uses_megatron(parallel) -> bool:
 
 
 def _ensure_process_group(timeout_s: float) -> None:
-    """megatron-core needs a process group even for one process: a private one-rank gloo group."""
+    """megatron-core (and DeepSpeed) need a process group even for one process: a private one-rank group,
+    gloo, and on a GPU NCCL beside it (gloo's collectives do not all take CUDA tensors)."""
     if dist.is_initialized():
         return
     import tempfile
 
+    from parallel.dist import GPU_BACKEND
+
     store = os.path.join(tempfile.mkdtemp(prefix="pg-"), "store")
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(GPU_BACKEND if torch.cuda.is_available() else "gloo", init_method=f"file://{store}",
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def setup_layout(parallel) -> Layout:
