@@ -244,3 +244,26 @@ def test_without_the_harness_lm_eval_is_one_sentence(tmp_path, monkeypatch, caps
     assert main(["eval", str(tmp_path), "--lm-eval", "hellaswag"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--lm-eval needs lm-evaluation-harness" in err[0] and "[lm-eval] extra" in err[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (from_pretrained with device_map='cuda')")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_folder_loads_onto_a_gpu_by_device_map_in_bf16(arch, tmp_path, corpus):
+    """transformers 5 makes the computed buffers (RoPE tables, ALiBi slopes) empty on the mapped device, then asks
+    _init_weights for their values: they must land there, beside the weights, not on the CPU they were built on."""
+    from transformers import AutoModelForCausalLM
+
+    run = train(tmp_path, corpus, arch)
+    out = str(tmp_path / "hf")
+    export(run, out, fmt="hf", log=quiet)
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, device_map="cuda",
+                                                 torch_dtype=torch.bfloat16)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cuda"}
+    with torch.no_grad():
+        theirs = model(TOKENS.cuda()).logits.float().cpu()
+    ours_model, spec, _, _ = load_for_inference(run, log=quiet)
+    with torch.no_grad():
+        ours = spec.logits(ours_model, TOKENS).float().cpu()
+    assert (theirs - ours).abs().max().item() <= 0.1 * ours.abs().max().item()  # bf16 weights against ours
+    assert model.generate(TOKENS[:1, :3].cuda(), max_new_tokens=4, do_sample=False, pad_token_id=0).shape[1] == 7

@@ -1592,9 +1592,12 @@ class PretrainForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module):
-        """Every weight comes from the folder; a computed buffer gets its value as built back."""
+        """Every weight comes from the folder; a computed buffer gets its value as built back, on the device
+        transformers placed the buffer on (device_map="cuda" makes it there, empty, before asking)."""
         for name, value in self._built.get(id(module), {}).items():
-            module._buffers[name] = value.clone()
+            now = module._buffers.get(name)
+            device = now.device if now is not None and now.device.type != "meta" else value.device
+            module._buffers[name] = value.to(device, copy=True)
 
     def tie_weights(self, *args, **kwargs):
         if _V5:  # transformers 5 ties by `_tied_weights_keys` {alias: source} itself
