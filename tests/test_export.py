@@ -134,6 +134,21 @@ def test_dtype_and_force(tmp_path, corpus):
     assert [n for n in os.listdir(tmp_path) if n.startswith(".folder")] == []  # no temporary left
 
 
+def test_a_folder_of_an_fp64_run_loads_in_fp64_with_every_digit(tmp_path, corpus):
+    """A numerical-check run's export keeps float64 weights; loading the folder keeps them float64 too, as
+    loading its checkpoint does (pretrain generate/eval), instead of rounding them to float32."""
+    from pretrain.generate import load_for_inference
+
+    run = train(tmp_path, corpus, **{"train.precision": "fp64"})
+    out = str(tmp_path / "folder")
+    export(run, out, log=quiet)
+    from_run, *_ = load_for_inference(run, log=quiet)
+    from_folder, *_ = load_for_inference(out, log=quiet)
+    assert {p.dtype for p in from_folder.parameters()} == {torch.float64}
+    for (name, a), (_, b) in zip(from_run.state_dict().items(), from_folder.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_a_corrupt_checkpoint_is_refused_and_nothing_is_written(tmp_path, corpus):
     run = train(tmp_path, corpus)
     ckpt = os.path.join(run, "checkpoints", "step_00000004")

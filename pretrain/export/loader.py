@@ -104,6 +104,8 @@ def load_folder(path: str, device: str = "cpu", overrides=(), log=print, need: t
     spec = get_arch(cfg.model.arch)
     with torch.device(device):  # initialised, then overwritten tensor by tensor
         model = spec.build(cfg.model)
+    if cfg.train.precision == "fp64":  # a numerical-check run's weights keep every digit, as from its checkpoints
+        model = model.double()
     aliases = config["aliases"]
     state = model.state_dict()
     for name in state:
