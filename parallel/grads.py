@@ -22,6 +22,12 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
             group["lr"] = lr
 
 
+def step_on_device(param_groups) -> bool:
+    """Whether AdamW keeps its `step` on the parameters' device: fused or capturable groups do (torch's rule),
+    the others keep it on the CPU. State written in directly, not by load_state_dict, must follow it."""
+    return any(g.get("fused") or g.get("capturable") for g in param_groups)
+
+
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Total L2 norm of the gradients (fp32 tensor, before clipping); clip to `max_norm` if > 0.
 

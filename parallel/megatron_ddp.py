@@ -19,7 +19,7 @@ import torch.distributed as dist
 from parallel import cpu_shim
 from parallel.dist import collective
 from parallel.engine import Engine, EngineSettings, FullState
-from parallel.grads import all_reduce_tp_grads, set_lr
+from parallel.grads import all_reduce_tp_grads, set_lr, step_on_device
 from parallel.layers import sequence_parallel_params
 from parallel.mesh import layout
 
@@ -31,6 +31,11 @@ def named_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     names = {id(p): n for n, p in model.named_parameters()}
     return [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
             for g in optimizer.param_groups]
+
+
+def _parts(optimizer) -> list:
+    """megatron's optimizer as the list of the ones it chains (one when it chains none)."""
+    return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
 class MegatronEngine(Engine):
@@ -69,7 +74,7 @@ class MegatronEngine(Engine):
         # without apex or Transformer Engine megatron builds torch's AdamW with no kernel flags, which on
         # CPU means a per-parameter loop: give it the kernels our own AdamW uses
         flags = {k: o[k] for k in ("fused", "foreach") if k in o}
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for opt in _parts(self.optimizer):
             if isinstance(opt.optimizer, torch.optim.Adam):  # torch's AdamW is an Adam subclass
                 for group in opt.optimizer.param_groups:
                     group.update(flags)
@@ -117,7 +122,7 @@ class MegatronState:
         """name -> (the torch optimizer state holding it, the tensor that state is keyed by, start and
         end of the flattened parameter this rank updates)."""
         out = {}
-        for opt in getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer]):
+        for opt in _parts(self.engine.optimizer):
             inner = opt.optimizer.state
             if not self.engine.distributed:
                 ids = {id(p) for g in opt.optimizer.param_groups for p in g["params"]}
@@ -171,9 +176,8 @@ class MegatronState:
         for inner, _, _, _ in owned.values():
             inner.clear()
         # written in directly (not through load_state_dict, which would place them): the moments on their
-        # parameter's device, `step` there too for a fused or capturable AdamW (torch's rule), else on the host
-        opts = [o.optimizer for o in getattr(self.engine.optimizer, "chained_optimizers", [self.engine.optimizer])]
-        device_step = any(g.get("fused") or g.get("capturable") for o in opts for g in o.param_groups)
+        # parameter's device, `step` there too where AdamW keeps it there (step_on_device), else on the host
+        device_step = step_on_device(g for o in _parts(self.engine.optimizer) for g in o.optimizer.param_groups)
         for n, (inner, key, start, end) in owned.items():
             if n in optim_state:
                 s = optim_state[n]

@@ -32,7 +32,7 @@ from torch import nn
 from parallel.data_parallel import accumulation_steps
 from parallel.dist import detect_env
 from parallel.engine import Engine, EngineSettings
-from parallel.grads import set_lr
+from parallel.grads import set_lr, step_on_device
 from parallel.mesh import _ensure_process_group, layout
 
 INSTALL_HINT = ("parallel.data_parallel=deepspeed needs DeepSpeed: install it after torch with "
@@ -323,9 +323,9 @@ class DeepSpeedEngine(Engine):
             return
         # A fresh AdamW creates its state lazily at its first step; create it now so that the full
         # tensors can be scattered into the partitions (AdamW keeps state it finds).
-        first = next(iter(optim_state.values()))
+        first, on_device = next(iter(optim_state.values())), step_on_device(self.optimizer.param_groups)
         for m in masters:
-            inner[m] = {k: (v.detach().clone().to(m.device if self._device_step() else "cpu") if v.dim() == 0
+            inner[m] = {k: (v.detach().clone().to(m.device if on_device else "cpu") if v.dim() == 0
                             else torch.zeros_like(m)) for k, v in first.items()}
         self._link_optimizer_state()
         for names in self.groups:
@@ -333,10 +333,6 @@ class DeepSpeedEngine(Engine):
                 for key, value in optim_state[name].items():
                     if value.dim():
                         self._set_full(p, value.to(torch.float32), key)
-
-    def _device_step(self) -> bool:
-        """Fused or capturable AdamW keeps `step` on the parameters' device, the others on the CPU."""
-        return any(g.get("fused") or g.get("capturable") for g in self.optimizer.param_groups)
 
     def _link_optimizer_state(self) -> None:
         """Map every parameter to its slice of the (new) optimizer state, for the safe_*_optimizer_state

@@ -85,6 +85,8 @@ def test_a_suite_ended_by_sigterm_takes_its_running_row_with_it(tmp_path):
     import signal
     import time
 
+    from pretrain.runlock import pid_alive
+
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "transformer",
                              "--dry-run", "--only", "cart/dense-7l", "--out", str(tmp_path)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -101,13 +103,7 @@ def test_a_suite_ended_by_sigterm_takes_its_running_row_with_it(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
     time.sleep(0.5)
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
+    alive = [pid for pid in pids if pid_alive(pid)]
     for pid in alive:  # (a failing run's leftovers are cleaned up, then reported)
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"the row's processes {alive} outlived the suite"
