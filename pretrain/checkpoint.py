@@ -438,7 +438,7 @@ def _retain(root: str, just_written: int, keep_last: int, keep_every: int) -> No
     steps = _step_dirs(root)
     complete = [s for s, _ in _complete_checkpoints(root)]
     named, _ = _named_by_latest(root)  # never the one `latest` names (just_written, but said outright)
-    read_now, stale_pins = pinned(root, pid_alive)  # nor one a reader is loading (pretrain/read_pins.py)
+    read_now, stale_pins = pinned(root)  # nor one a reader is loading (pretrain/read_pins.py)
     keep = {just_written, *complete[-keep_last:], *(s for s in complete if keep_every and s % keep_every == 0),
             *([_step_of(named)] if named else []), *(_step_of(n) for n in read_now)}
     doomed = [n for s, n in steps if s not in keep]

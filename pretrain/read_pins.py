@@ -14,7 +14,8 @@ import os
 import re
 import socket
 import time
-from typing import Callable
+
+from pretrain.runlock import pid_alive
 
 PIN_S = 3600.0  # the longest a pin counts: a read takes seconds to minutes; another host's reader cannot be asked
 _PIN = re.compile(r"\.read-(step_\d+)-(.+)-(\d+)")
@@ -34,7 +35,7 @@ def pin_name(checkpoint_name: str) -> str:
     return f".read-{checkpoint_name}-{_process_space()}-{os.getpid()}"
 
 
-def pinned(root: str, alive: Callable[[int], bool]) -> tuple[set[str], list[str]]:
+def pinned(root: str) -> tuple[set[str], list[str]]:
     """(the checkpoint names in `root` that readers pin now, the paths of pins to remove). A pin counts for
     PIN_S after it was made, and where its process id can be asked (same host and PID namespace) only
     while that process lives; so a reader killed before it could remove its pin, on any host, or a pid
@@ -45,7 +46,7 @@ def pinned(root: str, alive: Callable[[int], bool]) -> tuple[set[str], list[str]
             continue
         path = os.path.join(root, entry)
         try:
-            live = time.time() - os.stat(path).st_mtime < PIN_S and (m.group(2) != space or alive(int(m.group(3))))
+            live = time.time() - os.stat(path).st_mtime < PIN_S and (m.group(2) != space or pid_alive(int(m.group(3))))
         except OSError:  # its reader just removed it
             continue
         if live:
