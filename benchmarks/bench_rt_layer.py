@@ -118,14 +118,15 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, ended)  # gpu_session.sh's `timeout`: the table of the batches done so far
     done = []
-    print(f"measuring batches {', '.join(map(str, batches))} ({args.tile} tile) ...", flush=True)
-    for B in batches:
-        try:
+    try:  # the whole loop, its first line included: a SIGTERM may come at any point of it
+        print(f"measuring batches {', '.join(map(str, batches))} ({args.tile} tile) ...", flush=True)
+        for B in batches:
             measure(B)
-        except _Ended:
-            print(f"batch {B}: stopped (SIGTERM); the table has the batches before it", flush=True)
-            break
-        done.append(B)
+            done.append(B)
+    except _Ended:
+        left = batches[len(done):]  # (empty when the signal came after the last batch was measured)
+        print(f"batch {left[0] if left else batches[-1]}: stopped (SIGTERM); the table has the batches measured",
+              flush=True)
     batches = done
     what = f"d {args.d_model}, {args.heads} heads, N {args.seq}, leaf {args.leaf}, {args.tile} tile"
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
