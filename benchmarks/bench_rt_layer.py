@@ -154,8 +154,10 @@ def main(argv=None) -> int:
     return 0
 
 
-class _Ended(Exception):
-    """SIGTERM: measuring stops, the table is printed."""
+class _Ended(BaseException):
+    """SIGTERM: measuring stops, the table is printed. A BaseException, so that no `except Exception` on the
+    way (a forced capture's, which re-raises it as a failed capture: the H200's 2026-11-29 table was lost so)
+    takes it for an error of the code it interrupted."""
 
 
 if __name__ == "__main__":

@@ -143,17 +143,31 @@ def fresh_run_dir(out: Path, name: str) -> Path:
 
 
 def row_overrides(row: Row, micro: int, steps: int, data: str, tok: str, run_dir: Path, dry: bool) -> list[str]:
+    from pretrain.optim import TOKEN_FIELDS
+
     out = [*row.overrides, f"data.train=[{data}]", "data.valid=[]", "data.split=98,2,0", f"data.tokenizer={tok}",
            # one step past the timed ones: the last timed step's record is written without the end-of-run
            # evaluation (a second compile, under no_grad), so a GPU row is stopped right after it
            f"data.cache_dir={run_dir.parent / 'cache'}", f"train.run_dir={run_dir}", f"train.max_steps={steps + 1}",
            f"train.global_batch_seqs={micro}", f"train.micro_batch_seqs={micro}", "train.log_every=1",
            "train.eval_every=0", "train.eval_batches=1", "schedule.kind=constant", "schedule.warmup_steps=0",
-           f"checkpoint.every={steps + 1}", f"train.compile={str(row.compile and not dry).lower()}"]
+           f"checkpoint.every={steps + 1}", f"train.compile={str(row.compile and not dry).lower()}",
+           # the other kinds' fields (RT's warmup_cosine start, the token-counted wsd's tokens): constant refuses them
+           "schedule.warmup_start=0", *(f"schedule.{name}=0" for name in TOKEN_FIELDS)]
     if dry:  # seconds per row on a CPU: the machinery runs, not the model's size
         out = [o.replace("train.cuda_graphs=on", "train.cuda_graphs=auto") for o in out]  # a CPU captures nothing
         out += ["train.device=cpu", "data.num_workers=0", "log.peak_tflops=1.0", f"data.seq_len={DRY_T}"]
     return out
+
+
+def check_gpu_overrides(row: Row, out: Path) -> None:
+    """Load the row's paper config with every override its GPU run passes (a dry run trains the tiny
+    config, so only this catches a paper config's field that the suite's settings contradict)."""
+    from pretrain.config import load_config
+
+    micro = row.micro or load_config(row.config, row.overrides, check_data=False).train.micro_batch_seqs
+    load_config(row.config, row_overrides(row, micro, 3, str(out / "data"), str(out / "tokenizer.json"),
+                                          out / "runs" / "check", dry=False), check_data=False)
 
 
 def row_shape(row: Row, args):
@@ -197,7 +211,7 @@ def last_line(log: str) -> str:
 def run_row(row: Row, args, data_for, out: Path) -> dict:
     from pretrain.config import load_config
 
-    load_config(row.config, row.overrides, check_data=False)  # the paper config and overrides are accepted
+    check_gpu_overrides(row, out)  # the paper config takes the GPU run's whole override set, dry run or not
     config, cfg, micro, seq_len = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)
     run_dir = fresh_run_dir(out, row.name)

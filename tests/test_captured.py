@@ -2,6 +2,9 @@
 tensors that a CUDA graph replays, checked on the CPU through the emulated backend, which keeps the
 real one's static input and output buffers, copies and per-signature graphs (only the replay is a
 recomputation instead of a graph launch). The graphed == eager check on a GPU carries the `gpu` marker."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -277,6 +280,22 @@ def test_a_failed_capture_is_said_once_and_runs_eagerly_or_stands_when_forced(em
     captured.reset(emulated)
     with captured.step("on", log=lines.append), pytest.raises(RuntimeError, match="cuda_graphs=on: capturing loop"):
         captured.region(("loop", 1), lambda x: x + 1, [torch.zeros(3)])
+
+
+def test_a_signal_raised_inside_a_capture_is_not_taken_for_a_failed_capture(emulated):
+    """A SIGTERM handler's exception (bench_rt_layer's _Ended, a KeyboardInterrupt) raised while a region is
+    captured goes through as it is: under "on" it was re-raised as a failed capture, so the benchmark's
+    handler missed it and its table was lost (the H200, 2026-11-29)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_rt_layer import _Ended
+
+    def interrupted(x):
+        raise _Ended
+
+    for mode in ("on", "auto"):
+        captured.reset(emulated)
+        with captured.step(mode, log=lambda *_: None), pytest.raises(_Ended):
+            captured.region(("loop", 1), interrupted, [torch.zeros(3)])
 
 
 @pytest.mark.parametrize("body, why", [
