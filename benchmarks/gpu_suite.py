@@ -209,8 +209,6 @@ def last_line(log: str) -> str:
 
 
 def run_row(row: Row, args, data_for, out: Path) -> dict:
-    from pretrain.config import load_config
-
     check_gpu_overrides(row, out)  # the paper config takes the GPU run's whole override set, dry run or not
     config, cfg, micro, seq_len = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)

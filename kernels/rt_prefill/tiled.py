@@ -13,7 +13,8 @@ gradient reaching z_t is the upstream one plus what its persistent pair received
 since only later queries read it), the attention gradient g_t follows through post(), and the tiles
 whose queries start at t (the forward's, mirrored) pass gradient to earlier keys and to their queries.
 A layer may provide its own input gradients of kv and post (vjp_kv, vjp_post: cheaper than an autograd
-graph per position); autograd is used otherwise. Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
+graph per position), and vjp_prepare, what they read of the forward computed for all positions before the
+loop; autograd is used otherwise. Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
 kv() and post() for the input and parameter gradients.
 
 Both the forward and the backward are functions of tensors, run through kernels/captured.py: in a
@@ -31,6 +32,7 @@ entry point takes them as `ops` (TileOps; triton_tile.OPS are the Triton kernels
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -47,10 +49,35 @@ def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
     """[B, H, nq, nk] scores of scaled queries qs (positions q0..) against keys k (positions k0..)."""
     s = qs @ k.to(qs.dtype).transpose(-1, -2)
     if slopes is not None:
-        dev = qs.device
-        s = s + alibi(slopes, torch.arange(q0, q0 + qs.shape[2], device=dev),
-                      torch.arange(k0, k0 + k.shape[2], device=dev), qs.dtype)
+        s = s + _alibi(slopes, q0, k0, qs.shape[2], k.shape[2], qs.dtype, qs.device)
     return s
+
+
+_BIASES: list[dict] = []  # inside a tiled forward or backward: its ALiBi biases by shape (see _memo_biases)
+
+
+def _alibi(slopes: Tensor, q0: int, k0: int, nq: int, nk: int, dtype, device) -> Tensor:
+    """The [H, nq, nk] ALiBi bias of queries q0.. against keys k0..: a function of q0 - k0 and the shape
+    only, so inside a tiled forward or backward each one is made once, not at every position that uses it
+    (the tiles of one size repeat N / 2P times; on a GPU each making is a few kernels of the serial loop)."""
+    key = (id(slopes), q0 - k0, nq, nk, dtype)
+    memo = _BIASES[-1] if _BIASES else {}
+    if key not in memo:
+        memo[key] = alibi(slopes, torch.arange(q0, q0 + nq, device=device), torch.arange(k0, k0 + nk, device=device),
+                          dtype)
+    return memo[key]
+
+
+def _memo_biases(fn):
+    """fn with its own ALiBi bias memo, alive for the call (tensors a CUDA graph capture made stay in it)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        _BIASES.append({})
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _BIASES.pop()
+    return run
 
 
 BLOCK = 128  # queries per score block: a tile of P keys and P queries holds [B, H, BLOCK, P] scores at once
@@ -89,6 +116,7 @@ def _pieces(N: int, leaf: int, t: int):
     return out
 
 
+@_memo_biases
 def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tensor, Tensor] | None = None,
             ops: "TileOps | None" = None):
     """(Z [B, N, d], K, V [B, H, N, Dh], LSE [B, H, N]) of layer input x at positions offset..;
@@ -203,6 +231,7 @@ def _backward(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: T
         return _backward_with(layer, leaf, offset, leaves, ops, x, Z, lse, gZ)
 
 
+@_memo_biases
 def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: Tensor, lse: Tensor,
                    gZ: Tensor) -> list:
     B, N, _ = x.shape
@@ -228,16 +257,22 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     D = torch.zeros_like(lse)
     gZ_total = torch.empty_like(gZ)
     vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
+    prepare = getattr(layer, "vjp_prepare", None)  # what the two read of the forward, for all positions at once
+    prep = None
+    if prepare is not None and vjp_kv is not None and vjp_post is not None:
+        with torch.no_grad():
+            prep = prepare(x, A_in, Z, offset)
     for t in reversed(range(N)):  # phase 1
         dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
+        at = prep.at(t) if prep is not None else None
         if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
-            dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t) + gZ[:, t:t + 1]
+            dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t, at) + gZ[:, t:t + 1]
         else:
             with torch.enable_grad():
                 zt = Z[:, t:t + 1].detach().requires_grad_()
                 dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
         if vjp_post is not None:
-            g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz)
+            g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz, at)
         else:
             with torch.enable_grad():
                 at = A_in[:, :, t:t + 1].detach().requires_grad_()

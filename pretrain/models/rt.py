@@ -152,33 +152,60 @@ class LayerView:
 
     # Hand-written input gradients of kv and post, for the backward's sequential phase (one position at
     # a time: building and walking an autograd graph there costs more than the arithmetic). Checked
-    # against autograd by tests/test_rt.py through the whole backward.
-    def vjp_kv(self, z: Tensor, offset: int, dk: Tensor, dv: Tensor) -> Tensor:
-        """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh]."""
+    # against autograd by tests/test_rt.py through the whole backward. What they read of the forward
+    # (norm statistics, the key before its norm, GELU's slope) does not depend on the gradient, so the
+    # backward computes it for all positions at once before its loop (vjp_prepare) and passes each
+    # position's slice: on a GPU every position's kernels are the loop's cost (docs/gpu-results.md).
+    def vjp_prepare(self, x: Tensor, a: Tensor, z: Tensor, offset: int) -> "VjpPrep":
+        """The forward quantities vjp_kv and vjp_post read, for layer input x, attention outputs a
+        [B, H, N, Dh] and output z at positions offset.. (VjpPrep.at(t) gives position offset + t's)."""
+        return VjpPrep({**self._prep_post(x, a), **self._prep_kv(z)})
+
+    def _prep_kv(self, z: Tensor) -> dict:
         b, attn = self.block, self.block.attn
-        H, Dh = dk.shape[1], dk.shape[3]
+        out = {"z": b.attn_norm.grad_stats(z)}
+        if attn.qk_norm in ("head", "full"):
+            width = attn.kv.weight.shape[0] // 2  # this rank's key heads x head_dim (the weight stacks K, V)
+            k = b.attn_norm(z) @ attn.kv.weight[:width].T
+            out["k"] = attn.k_norm.grad_stats(k.unflatten(-1, (-1, attn.head_dim)) if attn.qk_norm == "head" else k)
+        return out
+
+    def _prep_post(self, x: Tensor, a: Tensor) -> dict:
+        b = self.block
+        h = x + b.scale * b.attn.proj(a.transpose(1, 2).flatten(2))
+        return {"h": b.ffn_norm.grad_stats(h), "act": _gelu_grad(b.ffn.fc1(b.ffn_norm(h)))}
+
+    def vjp_kv(self, z: Tensor, offset: int, dk: Tensor, dv: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
+        """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh]; prep: this position's slice of vjp_prepare's
+        (computed here when not given)."""
+        b, attn = self.block, self.block.attn
+        p = prep if prep is not None else VjpPrep(self._prep_kv(z))
         rope = self._tables(offset, z.shape[1])
         if rope is not None:  # a rotation's transpose rotates back
             dk = apply_rope(dk, rope[0], -rope[1])
         dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [B, n, H, Dh]
-        zn = b.attn_norm(z)
-        w = attn.kv.weight
         if attn.qk_norm == "head":
-            dk = attn.k_norm.input_grad((zn @ w[:H * Dh].T).unflatten(-1, (H, Dh)), dk).flatten(2)
+            dk = attn.k_norm.input_grad(None, dk, p["k"]).flatten(2)
         elif attn.qk_norm == "full":
-            dk = attn.k_norm.input_grad(zn @ w[:H * Dh].T, dk.flatten(2))
+            dk = attn.k_norm.input_grad(None, dk.flatten(2), p["k"])
         else:
             dk = dk.flatten(2)
-        return b.attn_norm.input_grad(z, torch.cat([dk, dv.flatten(2)], -1) @ w)
+        return b.attn_norm.input_grad(None, torch.cat([dk, dv.flatten(2)], -1) @ attn.kv.weight, p["z"])
 
-    def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor) -> Tensor:
-        """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]."""
+    def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
+        """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]; prep as vjp_kv's."""
         b = self.block
-        h = x + b.scale * b.attn.proj(a.transpose(1, 2).flatten(2))
-        pre_act = b.ffn.fc1(b.ffn_norm(h))
+        p = prep if prep is not None else VjpPrep(self._prep_post(x, a))
         d_act = (b.scale * dz) @ b.ffn.fc2.weight
-        dh = dz + b.ffn_norm.input_grad(h, (_gelu_grad(pre_act) * d_act) @ b.ffn.fc1.weight)
+        dh = dz + b.ffn_norm.input_grad(None, (p["act"] * d_act) @ b.ffn.fc1.weight, p["h"])
         return (b.scale * dh @ b.attn.proj.weight).unflatten(-1, (a.shape[1], a.shape[3])).transpose(1, 2)
+
+
+class VjpPrep(dict):
+    """LayerView.vjp_prepare's tensors, each [B, N, ...] (a norm's NormStats or a tensor)."""
+
+    def at(self, t: int) -> "VjpPrep":
+        return VjpPrep({k: v.at(t) if hasattr(v, "at") else v[:, t:t + 1] for k, v in self.items()})
 
 
 def _gelu_grad(x: Tensor) -> Tensor:

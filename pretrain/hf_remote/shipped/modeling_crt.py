@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 from typing import Any
 from typing import Callable
+from typing import NamedTuple
 import math
 import numpy as np
 import torch
@@ -326,6 +327,18 @@ def layer_norm_torch(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float)
 # ------------------------------ parallel/layers.py ------------------------------------------
 
 
+class NormStats(NamedTuple):
+    """A norm's input as its input gradient reads it: xhat, the normalised input (float32, or float64
+    kept), and rho = 1 / its scale, [..., 1]; dtype, the input's (that of the gradient returned)."""
+    xhat: Tensor
+    rho: Tensor
+    dtype: torch.dtype
+
+    def at(self, t: int) -> "NormStats":
+        """Position t of [B, N, ...] statistics (views)."""
+        return NormStats(self.xhat[:, t:t + 1], self.rho[:, t:t + 1], self.dtype)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (bf16 statistics are too coarse).
 
@@ -345,12 +358,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # the formula in kernels/norms (or apex's fused kernel on CUDA)
         return rms_norm_torch(x, self.weight, self.eps)
 
-    def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
-        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
+    def grad_stats(self, x: Tensor) -> "NormStats":
+        """What input_grad needs of x: its normalised values and 1 / rms (a custom backward that walks
+        positions one at a time computes them for all positions at once, outside its loop)."""
         x32 = at_least_fp32(x)
-        gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
         rho = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (rho * gdy - x32 * rho.pow(3) * (x32 * gdy).mean(-1, keepdim=True)).to(x.dtype)
+        return NormStats(x32 * rho, rho, x.dtype)
+
+    def input_grad(self, x: Tensor | None, dy: Tensor, stats: "NormStats | None" = None) -> Tensor:
+        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself), from
+        x or its grad_stats: rho (w dy - xhat mean(xhat w dy))."""
+        s = stats if stats is not None else self.grad_stats(x)
+        gdy = self.weight.to(s.xhat.dtype) * dy.to(s.xhat.dtype)
+        return (s.rho * (gdy - s.xhat * (s.xhat * gdy).mean(-1, keepdim=True))).to(s.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -370,14 +390,20 @@ class LayerNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return layer_norm_torch(x, self.weight, self.bias, self.eps)
 
-    def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
-        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
+    def grad_stats(self, x: Tensor) -> "NormStats":
+        """What input_grad needs of x (RMSNorm.grad_stats says why it is apart)."""
         x32 = at_least_fp32(x)
-        gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
         centred = x32 - x32.mean(-1, keepdim=True)
         rho = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        xhat = centred * rho
-        return (rho * (gdy - gdy.mean(-1, keepdim=True) - xhat * (gdy * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return NormStats(centred * rho, rho, x.dtype)
+
+    def input_grad(self, x: Tensor | None, dy: Tensor, stats: "NormStats | None" = None) -> Tensor:
+        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself), from
+        x or its grad_stats."""
+        s = stats if stats is not None else self.grad_stats(x)
+        gdy = self.weight.to(s.xhat.dtype) * dy.to(s.xhat.dtype)
+        xhat = s.xhat
+        return (s.rho * (gdy - gdy.mean(-1, keepdim=True) - xhat * (gdy * xhat).mean(-1, keepdim=True))).to(s.dtype)
 
 
 def shift_right(x: Tensor, reset: Tensor | None = None) -> Tensor:

@@ -22,6 +22,7 @@ from typing import Callable
 from typing import Hashable
 from typing import NamedTuple
 from typing import Sequence
+import functools
 import math
 import numpy as np
 import torch
@@ -645,10 +646,35 @@ def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
     """[B, H, nq, nk] scores of scaled queries qs (positions q0..) against keys k (positions k0..)."""
     s = qs @ k.to(qs.dtype).transpose(-1, -2)
     if slopes is not None:
-        dev = qs.device
-        s = s + alibi(slopes, torch.arange(q0, q0 + qs.shape[2], device=dev),
-                      torch.arange(k0, k0 + k.shape[2], device=dev), qs.dtype)
+        s = s + _alibi(slopes, q0, k0, qs.shape[2], k.shape[2], qs.dtype, qs.device)
     return s
+
+
+_BIASES: list[dict] = []  # inside a tiled forward or backward: its ALiBi biases by shape (see _memo_biases)
+
+
+def _alibi(slopes: Tensor, q0: int, k0: int, nq: int, nk: int, dtype, device) -> Tensor:
+    """The [H, nq, nk] ALiBi bias of queries q0.. against keys k0..: a function of q0 - k0 and the shape
+    only, so inside a tiled forward or backward each one is made once, not at every position that uses it
+    (the tiles of one size repeat N / 2P times; on a GPU each making is a few kernels of the serial loop)."""
+    key = (id(slopes), q0 - k0, nq, nk, dtype)
+    memo = _BIASES[-1] if _BIASES else {}
+    if key not in memo:
+        memo[key] = alibi(slopes, torch.arange(q0, q0 + nq, device=device), torch.arange(k0, k0 + nk, device=device),
+                          dtype)
+    return memo[key]
+
+
+def _memo_biases(fn):
+    """fn with its own ALiBi bias memo, alive for the call (tensors a CUDA graph capture made stay in it)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        _BIASES.append({})
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _BIASES.pop()
+    return run
 
 
 BLOCK = 128  # queries per score block: a tile of P keys and P queries holds [B, H, BLOCK, P] scores at once
@@ -687,6 +713,7 @@ def _pieces(N: int, leaf: int, t: int):
     return out
 
 
+@_memo_biases
 def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tensor, Tensor] | None = None,
             ops: "TileOps | None" = None):
     """(Z [B, N, d], K, V [B, H, N, Dh], LSE [B, H, N]) of layer input x at positions offset..;
@@ -801,6 +828,7 @@ def _backward(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: T
         return _backward_with(layer, leaf, offset, leaves, ops, x, Z, lse, gZ)
 
 
+@_memo_biases
 def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: Tensor, lse: Tensor,
                    gZ: Tensor) -> list:
     B, N, _ = x.shape
@@ -826,16 +854,22 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     D = torch.zeros_like(lse)
     gZ_total = torch.empty_like(gZ)
     vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
+    prepare = getattr(layer, "vjp_prepare", None)  # what the two read of the forward, for all positions at once
+    prep = None
+    if prepare is not None and vjp_kv is not None and vjp_post is not None:
+        with torch.no_grad():
+            prep = prepare(x, A_in, Z, offset)
     for t in reversed(range(N)):  # phase 1
         dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
+        at = prep.at(t) if prep is not None else None
         if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
-            dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t) + gZ[:, t:t + 1]
+            dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t, at) + gZ[:, t:t + 1]
         else:
             with torch.enable_grad():
                 zt = Z[:, t:t + 1].detach().requires_grad_()
                 dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
         if vjp_post is not None:
-            g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz)
+            g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz, at)
         else:
             with torch.enable_grad():
                 at = A_in[:, :, t:t + 1].detach().requires_grad_()
@@ -898,6 +932,18 @@ def trunc_normal_(w: Tensor, std: float, trunc: float) -> Tensor:
             w.copy_(torch.where(outside, torch.empty_like(w).normal_(0.0, std), w))
 
 
+class NormStats(NamedTuple):
+    """A norm's input as its input gradient reads it: xhat, the normalised input (float32, or float64
+    kept), and rho = 1 / its scale, [..., 1]; dtype, the input's (that of the gradient returned)."""
+    xhat: Tensor
+    rho: Tensor
+    dtype: torch.dtype
+
+    def at(self, t: int) -> "NormStats":
+        """Position t of [B, N, ...] statistics (views)."""
+        return NormStats(self.xhat[:, t:t + 1], self.rho[:, t:t + 1], self.dtype)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back (bf16 statistics are too coarse).
 
@@ -917,12 +963,19 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:  # the formula in kernels/norms (or apex's fused kernel on CUDA)
         return rms_norm_torch(x, self.weight, self.eps)
 
-    def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
-        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
+    def grad_stats(self, x: Tensor) -> "NormStats":
+        """What input_grad needs of x: its normalised values and 1 / rms (a custom backward that walks
+        positions one at a time computes them for all positions at once, outside its loop)."""
         x32 = at_least_fp32(x)
-        gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
         rho = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (rho * gdy - x32 * rho.pow(3) * (x32 * gdy).mean(-1, keepdim=True)).to(x.dtype)
+        return NormStats(x32 * rho, rho, x.dtype)
+
+    def input_grad(self, x: Tensor | None, dy: Tensor, stats: "NormStats | None" = None) -> Tensor:
+        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself), from
+        x or its grad_stats: rho (w dy - xhat mean(xhat w dy))."""
+        s = stats if stats is not None else self.grad_stats(x)
+        gdy = self.weight.to(s.xhat.dtype) * dy.to(s.xhat.dtype)
+        return (s.rho * (gdy - s.xhat * (s.xhat * gdy).mean(-1, keepdim=True))).to(s.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -942,14 +995,20 @@ class LayerNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return layer_norm_torch(x, self.weight, self.bias, self.eps)
 
-    def input_grad(self, x: Tensor, dy: Tensor) -> Tensor:
-        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself)."""
+    def grad_stats(self, x: Tensor) -> "NormStats":
+        """What input_grad needs of x (RMSNorm.grad_stats says why it is apart)."""
         x32 = at_least_fp32(x)
-        gdy = self.weight.to(x32.dtype) * dy.to(x32.dtype)
         centred = x32 - x32.mean(-1, keepdim=True)
         rho = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
-        xhat = centred * rho
-        return (rho * (gdy - gdy.mean(-1, keepdim=True) - xhat * (gdy * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        return NormStats(centred * rho, rho, x.dtype)
+
+    def input_grad(self, x: Tensor | None, dy: Tensor, stats: "NormStats | None" = None) -> Tensor:
+        """dL/dx given dL/dy, written out (for a custom backward that differentiates the norm itself), from
+        x or its grad_stats."""
+        s = stats if stats is not None else self.grad_stats(x)
+        gdy = self.weight.to(s.xhat.dtype) * dy.to(s.xhat.dtype)
+        xhat = s.xhat
+        return (s.rho * (gdy - gdy.mean(-1, keepdim=True) - xhat * (gdy * xhat).mean(-1, keepdim=True))).to(s.dtype)
 
 
 def local_heads(n: int) -> slice:
@@ -1955,33 +2014,60 @@ class LayerView:
 
     # Hand-written input gradients of kv and post, for the backward's sequential phase (one position at
     # a time: building and walking an autograd graph there costs more than the arithmetic). Checked
-    # against autograd by tests/test_rt.py through the whole backward.
-    def vjp_kv(self, z: Tensor, offset: int, dk: Tensor, dv: Tensor) -> Tensor:
-        """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh]."""
+    # against autograd by tests/test_rt.py through the whole backward. What they read of the forward
+    # (norm statistics, the key before its norm, GELU's slope) does not depend on the gradient, so the
+    # backward computes it for all positions at once before its loop (vjp_prepare) and passes each
+    # position's slice: on a GPU every position's kernels are the loop's cost (docs/gpu-results.md).
+    def vjp_prepare(self, x: Tensor, a: Tensor, z: Tensor, offset: int) -> "VjpPrep":
+        """The forward quantities vjp_kv and vjp_post read, for layer input x, attention outputs a
+        [B, H, N, Dh] and output z at positions offset.. (VjpPrep.at(t) gives position offset + t's)."""
+        return VjpPrep({**self._prep_post(x, a), **self._prep_kv(z)})
+
+    def _prep_kv(self, z: Tensor) -> dict:
         b, attn = self.block, self.block.attn
-        H, Dh = dk.shape[1], dk.shape[3]
+        out = {"z": b.attn_norm.grad_stats(z)}
+        if attn.qk_norm in ("head", "full"):
+            width = attn.kv.weight.shape[0] // 2  # this rank's key heads x head_dim (the weight stacks K, V)
+            k = b.attn_norm(z) @ attn.kv.weight[:width].T
+            out["k"] = attn.k_norm.grad_stats(k.unflatten(-1, (-1, attn.head_dim)) if attn.qk_norm == "head" else k)
+        return out
+
+    def _prep_post(self, x: Tensor, a: Tensor) -> dict:
+        b = self.block
+        h = x + b.scale * b.attn.proj(a.transpose(1, 2).flatten(2))
+        return {"h": b.ffn_norm.grad_stats(h), "act": _gelu_grad(b.ffn.fc1(b.ffn_norm(h)))}
+
+    def vjp_kv(self, z: Tensor, offset: int, dk: Tensor, dv: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
+        """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh]; prep: this position's slice of vjp_prepare's
+        (computed here when not given)."""
+        b, attn = self.block, self.block.attn
+        p = prep if prep is not None else VjpPrep(self._prep_kv(z))
         rope = self._tables(offset, z.shape[1])
         if rope is not None:  # a rotation's transpose rotates back
             dk = apply_rope(dk, rope[0], -rope[1])
         dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [B, n, H, Dh]
-        zn = b.attn_norm(z)
-        w = attn.kv.weight
         if attn.qk_norm == "head":
-            dk = attn.k_norm.input_grad((zn @ w[:H * Dh].T).unflatten(-1, (H, Dh)), dk).flatten(2)
+            dk = attn.k_norm.input_grad(None, dk, p["k"]).flatten(2)
         elif attn.qk_norm == "full":
-            dk = attn.k_norm.input_grad(zn @ w[:H * Dh].T, dk.flatten(2))
+            dk = attn.k_norm.input_grad(None, dk.flatten(2), p["k"])
         else:
             dk = dk.flatten(2)
-        return b.attn_norm.input_grad(z, torch.cat([dk, dv.flatten(2)], -1) @ w)
+        return b.attn_norm.input_grad(None, torch.cat([dk, dv.flatten(2)], -1) @ attn.kv.weight, p["z"])
 
-    def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor) -> Tensor:
-        """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]."""
+    def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
+        """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]; prep as vjp_kv's."""
         b = self.block
-        h = x + b.scale * b.attn.proj(a.transpose(1, 2).flatten(2))
-        pre_act = b.ffn.fc1(b.ffn_norm(h))
+        p = prep if prep is not None else VjpPrep(self._prep_post(x, a))
         d_act = (b.scale * dz) @ b.ffn.fc2.weight
-        dh = dz + b.ffn_norm.input_grad(h, (_gelu_grad(pre_act) * d_act) @ b.ffn.fc1.weight)
+        dh = dz + b.ffn_norm.input_grad(None, (p["act"] * d_act) @ b.ffn.fc1.weight, p["h"])
         return (b.scale * dh @ b.attn.proj.weight).unflatten(-1, (a.shape[1], a.shape[3])).transpose(1, 2)
+
+
+class VjpPrep(dict):
+    """LayerView.vjp_prepare's tensors, each [B, N, ...] (a norm's NormStats or a tensor)."""
+
+    def at(self, t: int) -> "VjpPrep":
+        return VjpPrep({k: v.at(t) if hasattr(v, "at") else v[:, t:t + 1] for k, v in self.items()})
 
 
 def _gelu_grad(x: Tensor) -> Tensor:
