@@ -24,8 +24,8 @@ for w in .whl/*.whl; do [ -e "$w" ] || continue
 done
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"
-if [ "$PART" = serial ]; then ROW=${PROFILE_ROW:-rt/300m-12l graphs}; PPART=serial; STEPS=${STEPS:-3}; CAP=${CAP_S:-100}
-else ROW=${PROFILE_ROW:-baseline/s no-mask}; PPART=transformer; STEPS=${STEPS:-8}; CAP=${CAP_S:-80}; fi
+if [ "$PART" = serial ]; then ROW=${PROFILE_ROW:-rt/300m-12l graphs}; PPART=serial; STEPS=${STEPS:-3}; CAP=${CAP_S:-100}; PSTEPS=1
+else ROW=${PROFILE_ROW:-baseline/s no-mask}; PPART=transformer; STEPS=${STEPS:-8}; CAP=${CAP_S:-80}; PSTEPS=2; fi
 if has suite; then
   ONLY_ARGS=(); IFS=';' read -ra PICK <<< "${ONLY:-}"; for o in ${PICK[@]+"${PICK[@]}"}; do ONLY_ARGS+=(--only "$o"); done
   timeout "${SUITE_S:-$([ "$PART" = serial ] && echo 560 || echo 330)}" python3 benchmarks/gpu_suite.py --part "$PART" \
@@ -35,7 +35,7 @@ if has suite; then
 fi
 if has profile; then
   timeout "${PROFILE_S:-100}" python3 benchmarks/gpu_suite.py --part $PPART --out /tmp/prof --profile-only ${DRY:+--dry-run} \
-    --profile "$ROW" > /tmp/prof.log 2>&1; echo "profile: rc $?"; cp /tmp/prof/profile_*.txt "$OUT"/ 2>/dev/null
+    --profile "$ROW" --profile-steps "$PSTEPS" > /tmp/prof.log 2>&1; echo "profile: rc $?"; cp /tmp/prof/profile_*.txt "$OUT"/ 2>/dev/null
 fi
 if has layer && [ "$PART" = serial ]; then
   timeout "${LAYER_S:-150}" python3 benchmarks/bench_rt_layer.py ${DRY:+--dry-run} > "$OUT/rt_layer.md" 2>&1

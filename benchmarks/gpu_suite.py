@@ -393,7 +393,7 @@ def run_checks(args, out: Path) -> int:
 
 # -- profile ----------------------------------------------------------------------------------------
 def profile_row(row: Row, args, data_for, out: Path) -> Path:
-    """A torch.profiler table (by device time) of two steps of `row`, trained in this process."""
+    """A torch.profiler table (by device time) of --profile-steps steps of `row`, trained in this process."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -403,19 +403,20 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
     config, cfg, micro, _ = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)
     run_dir = fresh_run_dir(out, "profile_" + row.name)
-    trainer = Trainer(load_config(config, row_overrides(row, micro, args.warmup + 2, data, tok, run_dir, args.dry_run)))
+    trainer = Trainer(load_config(config, row_overrides(row, micro, args.warmup + args.profile_steps, data, tok, run_dir,
+                                                        args.dry_run)))
     cuda = torch.cuda.is_available() and not args.dry_run
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     step, done = trainer._optimizer_step, [0]
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     path = out / f"profile_{run_dir.name[len('profile_'):]}.txt"
 
-    def stepped(*a, **k):  # the capture holds the two steps after the warm-up (compile) steps
+    def stepped(*a, **k):  # the capture holds the steps after the warm-up (compile) steps
         if done[0] == args.warmup:
             prof.start()
         result = step(*a, **k)
         done[0] += 1
-        if done[0] == args.warmup + 2:
+        if done[0] == args.warmup + args.profile_steps:
             if cuda:
                 torch.cuda.synchronize()
             prof.stop()
@@ -552,6 +553,9 @@ def main(argv=None) -> int:
                    help="run only this row (a row's exact name), or the rows whose names contain it (repeatable)")
     p.add_argument("--profile", default="", help="also profile this row (a name from the parts)")
     p.add_argument("--profile-only", action="store_true", help="run the --profile capture alone, no table")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="steps the profile holds (1 for RT: its graphed step is about a million kernels, and the "
+                        "profiler's own processing of two ran past the H200 session's 140 s)")
     p.add_argument("--append", default="", help="append the table to this markdown file (docs/gpu-results.md)")
     p.add_argument("--commit", default="", help="the commit to name (default: git rev-parse HEAD)")
     p.add_argument("--tokens", type=int, default=0, help="tokens of random data to write (default: enough)")
@@ -569,6 +573,8 @@ def main(argv=None) -> int:
     args.cache_state = compile_cache()  # before any run fills it (an HF row's subprocess needs none)
     if not args.out:
         p.error("--out FOLDER is required: the table, the logs and the runs go there")
+    if args.profile_steps < 1:
+        p.error("--profile-steps must be at least 1")
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must each be at least 1 (the first step compiles)")
     out = Path(args.out)

@@ -447,3 +447,19 @@ def test_compile_leaves_the_layers_out_and_gives_the_eager_loss_and_gradients():
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert compiled._compiled_call_impl is None and not any(b._compiled_call_impl for b in compiled.blocks)
+
+
+def test_the_backward_loop_runs_no_norm_statistics_and_no_alibi_making_per_position():
+    """What does not depend on the gradient is out of the tiled loops (on a GPU each position's kernels are
+    the layer's cost): doubling N adds no per-position rsqrt (norm statistics) to the backward, and the
+    ALiBi biases are made once per tile shape (a few more shapes per doubling), not at every position."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from rt_ops_per_position import count_ops
+
+    (f32, b32), (f64, b64) = count_ops(32), count_ops(64)
+    assert b64["rsqrt"] == b32["rsqrt"], (b32["rsqrt"], b64["rsqrt"])
+    assert f64["arange"] - f32["arange"] <= 8 and b64["arange"] - b32["arange"] <= 8, (f32, f64, b32, b64)
+    assert sum(b64.values()) / 64 < 110, b64  # under bf16 autocast; 160 before the hoisting
