@@ -448,11 +448,11 @@ def test_graphed_equals_eager_on_cuda_in_bf16_and_recaptures_on_a_new_shape(arch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to capture CUDA graphs")
-@pytest.mark.parametrize("case", ["rt", "rt triton tile", "gpn", "gpn triton memory", "gpn compiled"])
+@pytest.mark.parametrize("case", ["rt", "rt triton tile", "rt compiled", "gpn", "gpn triton memory", "gpn compiled"])
 def test_replays_read_parameters_updated_in_place_and_equal_eager_in_fp32_on_cuda(case):
     """fp32 without autocast, so a tight tolerance: after a fused AdamW step between steps (in place, no
     version bump), each replay gives the eager result of the new values, on every path a captured body can
-    take (the PyTorch and Triton RT tiles, GPN's reference, Triton and compiled steps)."""
+    take (the PyTorch and Triton RT tiles, RT's compiled pieces, GPN's reference, Triton and compiled steps)."""
     from kernels import registry
     from pretrain.data.batch import collate
 
@@ -460,6 +460,8 @@ def test_replays_read_parameters_updated_in_place_and_equal_eager_in_fp32_on_cud
     forced = {"rt triton tile": "rt_prefill", "gpn triton memory": "delta_memory_step"}.get(case)
     if case.startswith("rt"):
         model, T = test_rt.model_of(dtype=torch.float32, d_model=64, n_heads=4).cuda(), 33
+        if case == "rt compiled":
+            model.compile()
     else:
         model, T = test_gpn.model_of(dtype=torch.float32, segment=6).cuda(), 21
         model.segment_recompute = True

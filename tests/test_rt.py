@@ -425,9 +425,10 @@ def test_decode_runs_through_the_rt_decode_op_and_its_triton_path_decodes_alike(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_leaves_the_layers_out_and_gives_the_eager_loss_and_gradients():
-    """train.compile on RT compiles its read-out alone (tracing a layer unrolls N positions: minutes), so the
-    compiled model is the eager one, layer for layer; one graph over two steps (no break per layer)."""
+def test_compile_leaves_the_loops_out_and_gives_the_eager_loss_and_gradients():
+    """train.compile on RT compiles its read-out and the pieces each position runs (tracing a layer unrolls
+    N positions: minutes), so the loops are the eager ones; the pieces are compiled once for every layer and
+    position, so the graphs do not grow with depth or steps."""
     from pretrain.data.batch import collate
 
     tokens = torch.randint(0, V, (2, 17), generator=torch.Generator().manual_seed(3)).numpy()
@@ -442,11 +443,15 @@ def test_compile_leaves_the_layers_out_and_gives_the_eager_loss_and_gradients():
         loss, _ = m(batch)
         loss.backward()
         results.append((loss.detach(), [p.grad for p in m.parameters()]))
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[1][1], results[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert compiled._compiled_call_impl is None and not any(b._compiled_call_impl for b in compiled.blocks)
+    steps = {id(b.steps) for b in compiled.blocks}
+    assert len(steps) == 1 and compiled.blocks[0].steps.compiled and len(compiled.blocks) >= 2
+    # the read-out, and each piece at one position and (the backward's batched phases) at all of them
+    assert graphs <= 7, graphs
 
 
 def test_the_backward_loop_runs_no_norm_statistics_and_no_alibi_making_per_position():

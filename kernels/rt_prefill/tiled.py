@@ -32,7 +32,6 @@ entry point takes them as `ops` (TileOps; triton_tile.OPS are the Triton kernels
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import torch
@@ -70,13 +69,13 @@ def _alibi(slopes: Tensor, q0: int, k0: int, nq: int, nk: int, dtype, device) ->
 
 def _memo_biases(fn):
     """fn with its own ALiBi bias memo, alive for the call (tensors a CUDA graph capture made stay in it)."""
-    @functools.wraps(fn)
     def run(*args, **kwargs):
         _BIASES.append({})
         try:
             return fn(*args, **kwargs)
         finally:
             _BIASES.pop()
+    run.__doc__, run.__name__ = fn.__doc__, fn.__name__
     return run
 
 

@@ -133,13 +133,10 @@ class LayerView:
         return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
 
     def kv(self, z: Tensor, offset: int):
-        b = self.block
-        return b.attn.keys(b.attn_norm(z), self._tables(offset, z.shape[1]))
+        return self.block.steps.kv(self.block, z, self._tables(offset, z.shape[1]))
 
     def post(self, x: Tensor, a: Tensor) -> Tensor:
-        b = self.block
-        h = x + b.scale * b.attn.proj(a.transpose(1, 2).flatten(2))
-        return h + b.scale * b.ffn(b.ffn_norm(h))
+        return self.block.steps.post(self.block, x, a)
 
     def parameters(self):
         return self.block.parameters()
@@ -178,27 +175,60 @@ class LayerView:
     def vjp_kv(self, z: Tensor, offset: int, dk: Tensor, dv: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
         """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh]; prep: this position's slice of vjp_prepare's
         (computed here when not given)."""
-        b, attn = self.block, self.block.attn
         p = prep if prep is not None else VjpPrep(self._prep_kv(z))
-        rope = self._tables(offset, z.shape[1])
-        if rope is not None:  # a rotation's transpose rotates back
-            dk = apply_rope(dk, rope[0], -rope[1])
-        dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [B, n, H, Dh]
-        if attn.qk_norm == "head":
-            dk = attn.k_norm.input_grad(None, dk, p["k"]).flatten(2)
-        elif attn.qk_norm == "full":
-            dk = attn.k_norm.input_grad(None, dk.flatten(2), p["k"])
-        else:
-            dk = dk.flatten(2)
-        return b.attn_norm.input_grad(None, torch.cat([dk, dv.flatten(2)], -1) @ attn.kv.weight, p["z"])
+        return self.block.steps.vjp_kv(self.block, dk, dv, p.get("k"), p["z"], self._tables(offset, z.shape[1]))
 
     def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
         """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]; prep as vjp_kv's."""
-        b = self.block
         p = prep if prep is not None else VjpPrep(self._prep_post(x, a))
-        d_act = (b.scale * dz) @ b.ffn.fc2.weight
-        dh = dz + b.ffn_norm.input_grad(None, (p["act"] * d_act) @ b.ffn.fc1.weight, p["h"])
-        return (b.scale * dh @ b.attn.proj.weight).unflatten(-1, (a.shape[1], a.shape[3])).transpose(1, 2)
+        return self.block.steps.vjp_post(self.block, dz, p["act"], p["h"]).unflatten(-1, (a.shape[1], a.shape[3])) \
+            .transpose(1, 2)
+
+
+# -- one position's pieces, as functions of the block and tensors: the tiled loops call them once per position,
+# so under train.compile they are compiled (RT.compile), each into a few fused kernels, and shared by the layers
+def _post(block: "RTBlock", x: Tensor, a: Tensor) -> Tensor:
+    h = x + block.scale * block.attn.proj(a.transpose(1, 2).flatten(2))
+    return h + block.scale * block.ffn(block.ffn_norm(h))
+
+
+def _kv(block: "RTBlock", z: Tensor, rope) -> tuple[Tensor, Tensor]:
+    return block.attn.keys(block.attn_norm(z), rope)
+
+
+def _vjp_kv(block: "RTBlock", dk: Tensor, dv: Tensor, k_stats, z_stats, rope) -> Tensor:
+    attn = block.attn
+    if rope is not None:  # a rotation's transpose rotates back
+        dk = apply_rope(dk, rope[0], -rope[1])
+    dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [B, n, H, Dh]
+    if attn.qk_norm == "head":
+        dk = attn.k_norm.input_grad(None, dk, k_stats).flatten(2)
+    elif attn.qk_norm == "full":
+        dk = attn.k_norm.input_grad(None, dk.flatten(2), k_stats)
+    else:
+        dk = dk.flatten(2)
+    return block.attn_norm.input_grad(None, torch.cat([dk, dv.flatten(2)], -1) @ attn.kv.weight, z_stats)
+
+
+def _vjp_post(block: "RTBlock", dz: Tensor, act: Tensor, h_stats) -> Tensor:
+    """dL/d(the attention outputs, heads flattened) [B, n, H Dh]."""
+    d_act = (block.scale * dz) @ block.ffn.fc2.weight
+    dh = dz + block.ffn_norm.input_grad(None, (act * d_act) @ block.ffn.fc1.weight, h_stats)
+    return block.scale * dh @ block.attn.proj.weight
+
+
+class Steps:
+    """The per-position pieces an RT layer's tiled loops call: as written, or (RT.compile) compiled with
+    torch.compile, static shapes; one set per model, shared by its layers (their parameters are inputs)."""
+
+    def __init__(self, compile: bool = False, **compile_kwargs):
+        options = {**compile_kwargs, "dynamic": False}
+        wrap = (lambda f: torch.compile(f, **options)) if compile else (lambda f: f)
+        self.compiled = compile
+        self.post, self.kv, self.vjp_kv, self.vjp_post = wrap(_post), wrap(_kv), wrap(_vjp_kv), wrap(_vjp_post)
+
+
+PLAIN_STEPS = Steps()
 
 
 class VjpPrep(dict):
@@ -225,6 +255,7 @@ class RTBlock(nn.Module):
         self.ffn = mlp(o)
         self.scale = o.residual_scale
         self.leaf = leaf
+        self.steps = PLAIN_STEPS  # RT.compile swaps in the compiled pieces
 
     def forward(self, h: Tensor, a: Attend) -> Tensor:
         cache = a.cache
@@ -259,14 +290,20 @@ class RT(Decoder):
         return list(self.blocks)
 
     def compile(self, *args, **kwargs) -> None:
-        """train.compile of RT: the read-out alone (final norm, head, loss). Tracing a layer unrolls its N
-        positions into one graph (d 64 at N = 32: 201 s to the first step on a CPU; the issue's RT-300M at N = 512
-        had not compiled after 80 s on an H100), so the layers run as written, or as CUDA graphs under
-        train.cuda_graphs. Compiling the model around disabled layers broke its graph at every layer and
-        recompiled the loop's remainder per layer; the embedding left out is a gather. The Transformer rows
-        compile whole."""
+        """train.compile of RT: the read-out (final norm, head, loss) and the pieces a layer's tiled loops run
+        at each position (post, kv and their input gradients: Steps), not the loops. Tracing a layer unrolls
+        its N positions into one graph (d 64 at N = 32: 201 s to the first step on a CPU; the issue's RT-300M
+        at N = 512 had not compiled after 80 s on an H100); the pieces compile once for all layers and
+        positions (static shapes), and each becomes a few fused kernels where it ran about 20 (on a GPU the
+        loop's cost is its kernels: docs/gpu-results.md, 2026-11-29). The loops run as written, or as CUDA
+        graphs under train.cuda_graphs, calling them. Compiling the model around disabled layers broke its
+        graph at every layer and recompiled the loop's remainder per layer; the embedding left out is a
+        gather. The Transformer rows compile whole."""
         if self.cfg.recurrent:
             self.stage_output = torch.compile(self.stage_output, *args, **kwargs)
+            steps = Steps(compile=True, **kwargs)  # each position's pieces (_post, _kv, their vjps)
+            for block in self.blocks:
+                block.steps = steps
             return
         super().compile(*args, **kwargs)
 
