@@ -44,9 +44,24 @@ from kernels.rt_prefill.schedule import leaf_keys, lowbit, tiles
 KEYS_MOVED = [0]  # persistent key rows loaded by tiled forwards since the last reset (benchmarks, tests)
 
 
+LOW = (torch.bfloat16, torch.float16)
+
+
+def _mm(a: Tensor, b: Tensor, low) -> Tensor:
+    """a @ b, in `low` (a 16-bit dtype: the keys', under autocast) when given, else as is. A tile's products
+    run in the keys' dtype, as autocast ran them, but cast once: autocast widened bf16 keys to the fp32
+    accumulators' dtype and narrowed them back, two kernels per product at every position."""
+    return a @ b if low is None else a.to(low) @ b.to(low)
+
+
+def _low(k: Tensor):
+    return k.dtype if k.dtype in LOW else None
+
+
 def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
     """[B, H, nq, nk] scores of scaled queries qs (positions q0..) against keys k (positions k0..)."""
-    s = qs @ k.to(qs.dtype).transpose(-1, -2)
+    low = _low(k)
+    s = _mm(qs, k.transpose(-1, -2), low) if low is not None else qs @ k.to(qs.dtype).transpose(-1, -2)
     if slopes is not None:
         s = s + _alibi(slopes, q0, k0, qs.shape[2], k.shape[2], qs.dtype, qs.device)
     return s
@@ -92,7 +107,7 @@ def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tenso
         m_new = torch.maximum(m[:, :, b], s.amax(-1))
         c = torch.exp(m[:, :, b] - m_new)
         e = torch.exp(s - m_new[..., None])
-        O[:, :, b].mul_(c[..., None]).add_(e @ v.to(O.dtype))
+        O[:, :, b].mul_(c[..., None]).add_(_mm(e, v, _low(v)) if _low(v) is not None else e @ v.to(O.dtype))
         l[:, :, b].mul_(c).add_(e.sum(-1))
         m[:, :, b] = m_new
 
@@ -156,13 +171,16 @@ def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, T
     (d scaled queries, d keys, d values) given g = dL/dA of its queries and D = <A, g>; BLOCK queries
     at a time."""
     dq, dk, dv = torch.empty_like(qs), 0.0, 0.0
+    low = _low(k)
+    vt = v.transpose(-1, -2) if low is not None else v.to(g.dtype).transpose(-1, -2)
+    kk = k if low is not None else k.to(qs.dtype)
     for a in range(0, qs.shape[2], BLOCK):
         b = slice(a, a + BLOCK)
         p = torch.exp(scores(qs[:, :, b], k, slopes, q0 + a, k0) - lse[:, :, b, None])
-        dv = dv + p.transpose(-1, -2) @ g[:, :, b]
-        ds = p * (g[:, :, b] @ v.to(g.dtype).transpose(-1, -2) - D[:, :, b, None])
-        dq[:, :, b] = ds @ k.to(ds.dtype)
-        dk = dk + ds.transpose(-1, -2) @ qs[:, :, b]
+        dv = dv + _mm(p.transpose(-1, -2), g[:, :, b], low)
+        ds = p * (_mm(g[:, :, b], vt, low) - D[:, :, b, None])
+        dq[:, :, b] = _mm(ds, kk, low)
+        dk = dk + _mm(ds.transpose(-1, -2), qs[:, :, b], low)
     return dq, dk, dv
 
 
@@ -249,7 +267,8 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
                 b = slice(a, min(a + BLOCK, a1))
                 p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
                               - lse[:, :, b, None])
-                A[:, :, b] += p @ Vd[:, :, k0:k1].to(dtype)
+                vk = Vd[:, :, k0:k1]
+                A[:, :, b] += _mm(p, vk, _low(vk)) if _low(vk) is not None else p @ vk.to(dtype)
     A_in = A.to(x.dtype)
     dK, dV = torch.zeros_like(A), torch.zeros_like(A)
     dqs, G = torch.zeros_like(A), torch.zeros_like(A)
