@@ -8,10 +8,10 @@ values), `offset` the position of x's first token. Paths (kernels/registry.py):
     "tiled"   the dyadic tile schedule with its tiled custom backward (tiled.py), picked by default
     "naive"   the token-by-token definition with autograd through the loop (reference.py), only when
               forced (PRETRAIN_KERNELS=rt_prefill=naive): the oracle, and N^2 memory
-    "triton"  the same schedule and backward with the tile update and the tile gradients as Triton
+    "triton"  the same schedule and backward with every tile update and tile gradient as Triton
               kernels (triton_tile.py): CUDA, or a CPU under TRITON_INTERPRET=1 (the tests); only when
-              forced (PRETRAIN_KERNELS=rt_prefill=triton) until it has been measured on a GPU
-              (benchmarks/bench_attention.py --rt)
+              forced (PRETRAIN_KERNELS=rt_prefill=triton). Unforced on CUDA, "tiled" picks the tile per
+              tile shape by measuring both (ops rt_tile_update and rt_tile_grads, below)
 `rt_decode` (op "rt_decode") is the same schedule after a prefix of cached keys (streaming decode):
 paths "tiled" and, forced only, "triton".
 """
@@ -24,8 +24,88 @@ from kernels import registry
 from kernels.rt_prefill import reference, schedule, tiled
 from kernels.triton_support import triton_can_run
 
+# The tile's two functions as ops of their own: on CUDA each tile shape measures the PyTorch tile (a few
+# dozen small kernels, its products in bf16 under autocast) against the Triton tile (one kernel, fp32 IEEE
+# products) on its first call and keeps the faster; elsewhere the PyTorch tile, so no CPU test or golden
+# curve moves. Small tiles are launch-bound and large ones arithmetic-bound: which wins is measured per shape.
+UPDATE = registry.op("rt_tile_update")
+GRADS = registry.op("rt_tile_grads")
+
+
+def _tile_refusal(qs: Tensor, k: Tensor, *rest) -> str | None:
+    """Why the Triton tile cannot serve this automatic call (None: it can). Python values only."""
+    if not triton_can_run(qs):
+        return f"the Triton RT tile runs on CUDA with Triton installed; the queries are on {qs.device.type}"
+    if qs.device.type == "cpu":
+        return "on a CPU the Triton RT tile (Triton's interpreter) runs only when forced (rt_prefill=triton)"
+    if qs.dtype != torch.float32:
+        return f"the Triton RT tile accumulates in float32; the scaled queries are {qs.dtype}"
+    if k.stride(-1) != 1 or qs.stride(-1) != 1:
+        return "the Triton RT tile needs tensors contiguous in their last dimension"
+    return None
+
+
+def _triton_update(*args):
+    from kernels.rt_prefill import triton_tile  # Triton is imported on the first call only
+
+    return triton_tile.update_tile(*args)
+
+
+def _triton_grads(*args):
+    from kernels.rt_prefill import triton_tile
+
+    return triton_tile.tile_grads(*args)
+
+
+def _tile_key(qs: Tensor, k: Tensor, *rest):
+    """Calls that share a measured choice: CUDA only; the tile's shape, the keys' dtype, ALiBi or not."""
+    if qs.device.type != "cuda":
+        return None
+    slopes = rest[-3]
+    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, slopes is not None, str(qs.device))
+
+
+def _tile_tensors(key):
+    B, H, nq, nk, D, dtype, alibi, device = key
+    g = torch.Generator(device=device).manual_seed(0)
+    make = lambda *shape, dt=torch.float32: torch.randn(*shape, generator=g, device=device, dtype=dt)  # noqa: E731
+    slopes = torch.linspace(0.5, 0.01, H, device=device) if alibi else None
+    return make(B, H, nq, D), make(B, H, nk, D, dt=dtype), make(B, H, nk, D, dt=dtype), slopes, nk, 0
+
+
+def _update_inputs(key):
+    """Fresh synthetic inputs of a key's tile (never the caller's): queries after their keys, a softmax state."""
+    qs, k, v, slopes, q0, k0 = _tile_tensors(key)
+    B, H, nq, D = qs.shape
+    m = torch.zeros(B, H, nq, device=qs.device)
+    return (qs, k, v, m, torch.ones_like(m), torch.zeros_like(qs), slopes, q0, k0), {}
+
+
+def _grads_inputs(key):
+    qs, k, v, slopes, q0, k0 = _tile_tensors(key)
+    lse = torch.full(qs.shape[:3], float(k.shape[2]), device=qs.device)
+    return (qs, k, v, torch.randn_like(qs), torch.randn_like(lse), lse, slopes, q0, k0), {}
+
+
+def _describe(key) -> str:
+    B, H, nq, nk, D, dtype, alibi, _ = key
+    return f"B {B} H {H} queries {nq} keys {nk} d {D} {str(dtype)[6:]}{' alibi' if alibi else ''}"
+
+
+for _op, _torch, _triton_fn, _inputs in ((UPDATE, tiled.update_tile, _triton_update, _update_inputs),
+                                         (GRADS, tiled.tile_grads, _triton_grads, _grads_inputs)):
+    _op.register("torch", _torch, priority=20)
+    _op.register("triton", _triton_fn, priority=10, refusal=_tile_refusal)
+    _op.measure_with(registry.Measured(_tile_key, _inputs, describe=_describe))
+MEASURED_OPS = tiled.TileOps(UPDATE, GRADS)  # the "tiled" path's tile: per shape, the faster of the two
+
+
+def _tiled(x: Tensor, layer, leaf: int = 1, offset: int = 0) -> Tensor:
+    return tiled.prefill(x, layer, leaf, offset, ops=MEASURED_OPS if x.is_cuda else None)
+
+
 OP = registry.op("rt_prefill")
-OP.register("tiled", tiled.prefill, priority=10)
+OP.register("tiled", _tiled, priority=10)
 OP.register("naive", lambda x, layer, leaf=1, offset=0: reference.prefill(x, layer, offset), auto=False)
 
 
@@ -66,4 +146,5 @@ def rt_decode(x: Tensor, layer, leaf: int, offset: int, prefix: tuple[Tensor, Te
     return DECODE(x, layer, leaf, offset, prefix)
 
 
-__all__ = ["DECODE", "OP", "reference", "rt_decode", "rt_prefill", "schedule", "tiled"]
+__all__ = ["DECODE", "GRADS", "MEASURED_OPS", "OP", "UPDATE", "reference", "rt_decode", "rt_prefill", "schedule",
+           "tiled"]
