@@ -86,7 +86,7 @@ PARTS = {
             "and step time against whole-model compile (the first row)"),
         Row("baseline/s blocks", "baseline/s", BLOCKS, cap_x=2, note="the same with document masks (94 s to compile whole on the H200)"),
     ],
-    "serial": [  # train.compile leaves RT's layers out (tracing their position loops took minutes)
+    "serial": [  # train.compile compiles RT's per-position pieces, not its loops (tracing those took minutes)
         Row("rt/300m-12l", "rt/300m-12l", GRAPHS_OFF, micro=64, note="micro batch 64 of the recipe's 512"),
         Row("rt/300m-12l graphs", "rt/300m-12l", GRAPHS, micro=64, note="each layer's loop a CUDA graph (issue 37)"),
         Row("rt/300m-12l graphs b512", "rt/300m-12l", GRAPHS, micro=512, note="the paper's 512 x 512 tokens a step"),
