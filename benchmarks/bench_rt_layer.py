@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the pieces each position runs, as train.compile does (RT.compile); GPU only")
     p.add_argument("--dry-run", action="store_true", help="CPU, d 32, 4 heads, N 16, batches 2,4: the machinery only")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -53,6 +55,9 @@ def main(argv=None) -> int:
     from pretrain.models.rt import RT, LayerView, RTConfig
     from pretrain.oom import is_out_of_memory
 
+    if args.dry_run and args.compile:
+        p.error("--compile needs a GPU: the dry run's emulated graph backend is a dispatch mode, which compiled "
+                "code cannot run under")
     if args.dry_run:
         args.d_model, args.heads, args.seq, args.batches = 32, 4, 16, "2,4"
         captured.reset(captured.Emulated())
@@ -63,7 +68,10 @@ def main(argv=None) -> int:
     cfg = RTConfig(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=1, max_seq_len=args.seq,
                    leaf_block=args.leaf)
     torch.manual_seed(0)
-    block = RT(cfg).blocks[0].to(device)
+    model = RT(cfg)
+    if args.compile:
+        model.compile()  # the per-position pieces; the first call of each batch size compiles them
+    block = model.blocks[0].to(device)
     view = LayerView(block, None, 0)
     amp = nullcontext() if args.dry_run else torch.autocast("cuda", torch.bfloat16)
     OP.force(args.tile if args.tile != "tiled" else None, "bench_rt_layer --tile")
