@@ -468,3 +468,19 @@ def test_the_backward_loop_runs_no_norm_statistics_and_no_alibi_making_per_posit
     assert b64["rsqrt"] == b32["rsqrt"], (b32["rsqrt"], b64["rsqrt"])
     assert f64["arange"] - f32["arange"] <= 8 and b64["arange"] - b32["arange"] <= 8, (f32, f64, b32, b64)
     assert sum(b64.values()) / 64 < 110, b64  # under bf16 autocast; 160 before the hoisting
+
+
+def test_tile_products_follow_the_calls_autocast_not_the_keys_dtype():
+    """The PyTorch tile casts its products once to the autocast dtype read at the start of the tiled call
+    (what autocast did at every product); without autocast, bf16 keys (a bf16 model, an export) are widened to
+    the fp32 accumulators as before, so a model run in bf16 keeps fp32 attention products."""
+    g = torch.Generator().manual_seed(0)
+    qs, k = torch.randn(1, 2, 3, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g).bfloat16()
+    run = tiled._per_call(lambda x: tiled.scores(x, k, None, 5, 0))
+    plain = run(qs)
+    assert plain.dtype == torch.float32
+    torch.testing.assert_close(plain, qs @ k.float().transpose(-1, -2), rtol=0, atol=0)
+    with torch.autocast("cpu", torch.bfloat16):
+        cast = run(qs)
+    assert cast.dtype == torch.bfloat16
+    torch.testing.assert_close(cast, qs.bfloat16() @ k.transpose(-1, -2), rtol=0, atol=0)

@@ -66,25 +66,27 @@ def _tile_key(qs: Tensor, k: Tensor, *rest):
 
 
 def _tile_tensors(key):
+    """(qs, k, v, slopes, q0, k0, make): a key's tile on fresh tensors from a private generator (a
+    measurement must not move the process's random stream), make(*shape) drawing more."""
     B, H, nq, nk, D, dtype, alibi, device = key
     g = torch.Generator(device=device).manual_seed(0)
     make = lambda *shape, dt=torch.float32: torch.randn(*shape, generator=g, device=device, dtype=dt)  # noqa: E731
     slopes = torch.linspace(0.5, 0.01, H, device=device) if alibi else None
-    return make(B, H, nq, D), make(B, H, nk, D, dt=dtype), make(B, H, nk, D, dt=dtype), slopes, nk, 0
+    return make(B, H, nq, D), make(B, H, nk, D, dt=dtype), make(B, H, nk, D, dt=dtype), slopes, nk, 0, make
 
 
 def _update_inputs(key):
     """Fresh synthetic inputs of a key's tile (never the caller's): queries after their keys, a softmax state."""
-    qs, k, v, slopes, q0, k0 = _tile_tensors(key)
+    qs, k, v, slopes, q0, k0, _ = _tile_tensors(key)
     B, H, nq, D = qs.shape
     m = torch.zeros(B, H, nq, device=qs.device)
     return (qs, k, v, m, torch.ones_like(m), torch.zeros_like(qs), slopes, q0, k0), {}
 
 
 def _grads_inputs(key):
-    qs, k, v, slopes, q0, k0 = _tile_tensors(key)
+    qs, k, v, slopes, q0, k0, make = _tile_tensors(key)
     lse = torch.full(qs.shape[:3], float(k.shape[2]), device=qs.device)
-    return (qs, k, v, torch.randn_like(qs), torch.randn_like(lse), lse, slopes, q0, k0), {}
+    return (qs, k, v, make(*qs.shape), make(*lse.shape), lse, slopes, q0, k0), {}
 
 
 def _describe(key) -> str:

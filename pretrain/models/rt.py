@@ -132,11 +132,17 @@ class LayerView:
         xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
         return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
 
+    # One position (the loops' calls) through the block's steps, compiled under train.compile; the backward's
+    # batched calls over all positions as written: compiled too they would take a second cache entry per
+    # piece and shape (dynamo keeps 8), for a handful of kernels in all.
+    def _steps(self, n: int) -> "Steps":
+        return self.block.steps if n == 1 else PLAIN_STEPS
+
     def kv(self, z: Tensor, offset: int):
-        return self.block.steps.kv(self.block, z, self._tables(offset, z.shape[1]))
+        return self._steps(z.shape[1]).kv(self.block, z, self._tables(offset, z.shape[1]))
 
     def post(self, x: Tensor, a: Tensor) -> Tensor:
-        return self.block.steps.post(self.block, x, a)
+        return self._steps(x.shape[1]).post(self.block, x, a)
 
     def parameters(self):
         return self.block.parameters()

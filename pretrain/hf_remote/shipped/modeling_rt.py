@@ -641,30 +641,53 @@ def check_leaf(leaf: int) -> None:
 KEYS_MOVED = [0]  # persistent key rows loaded by tiled forwards since the last reset (benchmarks, tests), counted
 
 
-LOW = (torch.bfloat16, torch.float16)
+class _Call:
+    """What one tiled forward or backward shares across its positions: the autocast dtype its products run
+    in (None without autocast) and its ALiBi biases by shape."""
+
+    def __init__(self, low):
+        self.low, self.biases = low, {}
+
+
+_CALLS: list[_Call] = []  # the tiled forward or backward running now (see _per_call)
+
+
+def _per_call(fn):
+    """fn (a tiled forward or backward) with its own _Call: the autocast dtype read once, at its start (the
+    tile ops' measurements run with autocast off and must time the products as the call runs them), and
+    its biases, alive for the call (tensors a CUDA graph capture made stay in it)."""
+    def run(*args, **kwargs):
+        x = next(a for a in args if isinstance(a, Tensor))
+        device = x.device.type
+        on = torch.is_autocast_enabled(device) and x.dtype != torch.float64
+        _CALLS.append(_Call(torch.get_autocast_dtype(device) if on else None))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CALLS.pop()
+    run.__doc__, run.__name__ = fn.__doc__, fn.__name__
+    return run
+
+
+def _low():
+    """The 16-bit dtype the running tiled call's products take (autocast's), or None."""
+    return _CALLS[-1].low if _CALLS else None
 
 
 def _mm(a: Tensor, b: Tensor, low) -> Tensor:
-    """a @ b, in `low` (a 16-bit dtype: the keys', under autocast) when given, else as is. A tile's products
-    run in the keys' dtype, as autocast ran them, but cast once: autocast widened bf16 keys to the fp32
-    accumulators' dtype and narrowed them back, two kernels per product at every position."""
+    """a @ b in `low` when given (the call's autocast dtype), else as is. The products are autocast's, but
+    cast once: autocast had bf16 keys widened to the fp32 accumulators' dtype and narrowed back, two kernels
+    per product at every position."""
     return a @ b if low is None else a.to(low) @ b.to(low)
-
-
-def _low(k: Tensor):
-    return k.dtype if k.dtype in LOW else None
 
 
 def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
     """[B, H, nq, nk] scores of scaled queries qs (positions q0..) against keys k (positions k0..)."""
-    low = _low(k)
+    low = _low()
     s = _mm(qs, k.transpose(-1, -2), low) if low is not None else qs @ k.to(qs.dtype).transpose(-1, -2)
     if slopes is not None:
         s = s + _alibi(slopes, q0, k0, qs.shape[2], k.shape[2], qs.dtype, qs.device)
     return s
-
-
-_BIASES: list[dict] = []  # inside a tiled forward or backward: its ALiBi biases by shape (see _memo_biases)
 
 
 def _alibi(slopes: Tensor, q0: int, k0: int, nq: int, nk: int, dtype, device) -> Tensor:
@@ -672,23 +695,11 @@ def _alibi(slopes: Tensor, q0: int, k0: int, nq: int, nk: int, dtype, device) ->
     only, so inside a tiled forward or backward each one is made once, not at every position that uses it
     (the tiles of one size repeat N / 2P times; on a GPU each making is a few kernels of the serial loop)."""
     key = (id(slopes), q0 - k0, nq, nk, dtype)
-    memo = _BIASES[-1] if _BIASES else {}
+    memo = _CALLS[-1].biases if _CALLS else {}
     if key not in memo:
         memo[key] = alibi(slopes, torch.arange(q0, q0 + nq, device=device), torch.arange(k0, k0 + nk, device=device),
                           dtype)
     return memo[key]
-
-
-def _memo_biases(fn):
-    """fn with its own ALiBi bias memo, alive for the call (tensors a CUDA graph capture made stay in it)."""
-    def run(*args, **kwargs):
-        _BIASES.append({})
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            _BIASES.pop()
-    run.__doc__, run.__name__ = fn.__doc__, fn.__name__
-    return run
 
 
 BLOCK = 128  # queries per score block: a tile of P keys and P queries holds [B, H, BLOCK, P] scores at once
@@ -703,7 +714,7 @@ def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tenso
         m_new = torch.maximum(m[:, :, b], s.amax(-1))
         c = torch.exp(m[:, :, b] - m_new)
         e = torch.exp(s - m_new[..., None])
-        O[:, :, b].mul_(c[..., None]).add_(_mm(e, v, _low(v)) if _low(v) is not None else e @ v.to(O.dtype))
+        O[:, :, b].mul_(c[..., None]).add_(_mm(e, v, _low()) if _low() is not None else e @ v.to(O.dtype))
         l[:, :, b].mul_(c).add_(e.sum(-1))
         m[:, :, b] = m_new
 
@@ -726,7 +737,7 @@ def _pieces(N: int, leaf: int, t: int):
     return out
 
 
-@_memo_biases
+@_per_call
 def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tensor, Tensor] | None = None,
             ops: "TileOps | None" = None):
     """(Z [B, N, d], K, V [B, H, N, Dh], LSE [B, H, N]) of layer input x at positions offset..;
@@ -770,7 +781,7 @@ def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, T
     (d scaled queries, d keys, d values) given g = dL/dA of its queries and D = <A, g>; BLOCK queries
     at a time."""
     dq, dk, dv = torch.empty_like(qs), 0.0, 0.0
-    low = _low(k)
+    low = _low()
     vt = v.transpose(-1, -2) if low is not None else v.to(g.dtype).transpose(-1, -2)
     kk = k if low is not None else k.to(qs.dtype)
     for a in range(0, qs.shape[2], BLOCK):
@@ -847,7 +858,7 @@ def _backward(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: T
         return _backward_with(layer, leaf, offset, leaves, ops, x, Z, lse, gZ)
 
 
-@_memo_biases
+@_per_call
 def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor, Z: Tensor, lse: Tensor,
                    gZ: Tensor) -> list:
     B, N, _ = x.shape
@@ -867,7 +878,7 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
                 p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
                               - lse[:, :, b, None])
                 vk = Vd[:, :, k0:k1]
-                A[:, :, b] += _mm(p, vk, _low(vk)) if _low(vk) is not None else p @ vk.to(dtype)
+                A[:, :, b] += _mm(p, vk, _low()) if _low() is not None else p @ vk.to(dtype)
     A_in = A.to(x.dtype)
     dK, dV = torch.zeros_like(A), torch.zeros_like(A)
     dqs, G = torch.zeros_like(A), torch.zeros_like(A)
@@ -2014,11 +2025,17 @@ class LayerView:
         xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
         return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
 
+    # One position (the loops' calls) through the block's steps, compiled under train.compile; the backward's
+    # batched calls over all positions as written: compiled too they would take a second cache entry per
+    # piece and shape (dynamo keeps 8), for a handful of kernels in all.
+    def _steps(self, n: int) -> "Steps":
+        return self.block.steps if n == 1 else PLAIN_STEPS
+
     def kv(self, z: Tensor, offset: int):
-        return self.block.steps.kv(self.block, z, self._tables(offset, z.shape[1]))
+        return self._steps(z.shape[1]).kv(self.block, z, self._tables(offset, z.shape[1]))
 
     def post(self, x: Tensor, a: Tensor) -> Tensor:
-        return self.block.steps.post(self.block, x, a)
+        return self._steps(x.shape[1]).post(self.block, x, a)
 
     def parameters(self):
         return self.block.parameters()
