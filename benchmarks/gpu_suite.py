@@ -89,14 +89,19 @@ PARTS = {
     "serial": [  # train.compile compiles RT's per-position pieces, not its loops (tracing those took minutes)
         Row("rt/300m-12l", "rt/300m-12l", GRAPHS_OFF, micro=64, note="micro batch 64 of the recipe's 512"),
         Row("rt/300m-12l graphs", "rt/300m-12l", GRAPHS, micro=64, note="each layer's loop a CUDA graph (issue 37)"),
-        Row("rt/300m-12l graphs b512", "rt/300m-12l", GRAPHS, micro=512, note="the paper's 512 x 512 tokens a step"),
-        Row("rt/300m-12l graphs b512 triton", "rt/300m-12l", GRAPHS, micro=512, env={"PRETRAIN_KERNELS": "rt_prefill=triton"},
+        # cap_x: a 512-sequence step took about 34 s at the H200's 7.8k tokens/s, and six steps run (with the compile)
+        Row("rt/300m-12l graphs b512", "rt/300m-12l", GRAPHS, micro=512, cap_x=2.5,
+            note="the paper's 512 x 512 tokens a step"),
+        Row("rt/300m-12l graphs b512 triton", "rt/300m-12l", GRAPHS, micro=512, cap_x=2.5,
+            env={"PRETRAIN_KERNELS": "rt_prefill=triton"},
             note="the Triton tile (forced): automatic where it beats the PyTorch tile (issue 37)"),
         Row("rt/t-300m-12l", "rt/t-300m-12l", micro=32),
         Row("gpn/gpn-m-130m", "gpn/gpn-m-130m", GRAPHS_OFF, micro=8),
         Row("gpn/gpn-m-130m graphs", "gpn/gpn-m-130m", GRAPHS, micro=8, note="each segment body a CUDA graph"),
         Row("gpn/gpn-m-130m graphs b128", "gpn/gpn-m-130m", GRAPHS, micro=128,
             note="the whole 128-sequence batch in one micro batch (issue 37)"),
+        Row("gpn/gpn-130m graphs b128", "gpn/gpn-130m", GRAPHS, micro=128, note="bare GPN, beside GPN+M (issue 37)"),
+        Row("gpn/gpn-m-2l-130m graphs b128", "gpn/gpn-m-2l-130m", GRAPHS, micro=128, note="GPN+M with two layers"),
     ],
 }
 
