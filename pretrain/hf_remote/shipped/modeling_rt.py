@@ -658,15 +658,25 @@ def _per_call(fn):
     its biases, alive for the call (tensors a CUDA graph capture made stay in it)."""
     def run(*args, **kwargs):
         x = next(a for a in args if isinstance(a, Tensor))
-        device = x.device.type
-        on = torch.is_autocast_enabled(device) and x.dtype != torch.float64
-        _CALLS.append(_Call(torch.get_autocast_dtype(device) if on else None))
+        _CALLS.append(_Call(_autocast_dtype(x)))
         try:
             return fn(*args, **kwargs)
         finally:
             _CALLS.pop()
     run.__doc__, run.__name__ = fn.__doc__, fn.__name__
     return run
+
+
+def _autocast_dtype(x: Tensor):
+    """The autocast dtype on x's device, or None: autocast off, float64 (which autocast leaves alone), or a
+    device autocast has no notion of (meta, in a planner's dry run: torch raises for it)."""
+    if x.dtype == torch.float64:
+        return None
+    try:
+        on = torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:
+        return None
+    return torch.get_autocast_dtype(x.device.type) if on else None
 
 
 def _low():
