@@ -88,17 +88,17 @@ def _low():
     return _CALLS[-1].low if _CALLS else None
 
 
-def _mm(a: Tensor, b: Tensor, low) -> Tensor:
-    """a @ b in `low` when given (the call's autocast dtype), else as is. The products are autocast's, but
-    cast once: autocast had bf16 keys widened to the fp32 accumulators' dtype and narrowed back, two kernels
-    per product at every position."""
-    return a @ b if low is None else a.to(low) @ b.to(low)
+def _product(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b of a tile: in the running call's autocast dtype, each operand cast once (autocast had bf16 keys
+    widened to the fp32 accumulators' dtype and narrowed back, two kernels per product at every position);
+    without autocast, b widened to a's dtype (the accumulators')."""
+    low = _low()
+    return a.to(low) @ b.to(low) if low is not None else a @ b.to(a.dtype)
 
 
 def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
     """[B, H, nq, nk] scores of scaled queries qs (positions q0..) against keys k (positions k0..)."""
-    low = _low()
-    s = _mm(qs, k.transpose(-1, -2), low) if low is not None else qs @ k.to(qs.dtype).transpose(-1, -2)
+    s = _product(qs, k.transpose(-1, -2))
     if slopes is not None:
         s = s + _alibi(slopes, q0, k0, qs.shape[2], k.shape[2], qs.dtype, qs.device)
     return s
@@ -128,7 +128,7 @@ def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tenso
         m_new = torch.maximum(m[:, :, b], s.amax(-1))
         c = torch.exp(m[:, :, b] - m_new)
         e = torch.exp(s - m_new[..., None])
-        O[:, :, b].mul_(c[..., None]).add_(_mm(e, v, _low()) if _low() is not None else e @ v.to(O.dtype))
+        O[:, :, b].mul_(c[..., None]).add_(_product(e, v))
         l[:, :, b].mul_(c).add_(e.sum(-1))
         m[:, :, b] = m_new
 
@@ -195,16 +195,13 @@ def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, T
     (d scaled queries, d keys, d values) given g = dL/dA of its queries and D = <A, g>; BLOCK queries
     at a time."""
     dq, dk, dv = torch.empty_like(qs), 0.0, 0.0
-    low = _low()
-    vt = v.transpose(-1, -2) if low is not None else v.to(g.dtype).transpose(-1, -2)
-    kk = k if low is not None else k.to(qs.dtype)
     for a in range(0, qs.shape[2], BLOCK):
         b = slice(a, a + BLOCK)
         p = torch.exp(scores(qs[:, :, b], k, slopes, q0 + a, k0) - lse[:, :, b, None])
-        dv = dv + _mm(p.transpose(-1, -2), g[:, :, b], low)
-        ds = p * (_mm(g[:, :, b], vt, low) - D[:, :, b, None])
-        dq[:, :, b] = _mm(ds, kk, low)
-        dk = dk + _mm(ds.transpose(-1, -2), qs[:, :, b], low)
+        dv = dv + _product(p.transpose(-1, -2), g[:, :, b])
+        ds = p * (_product(g[:, :, b], v.transpose(-1, -2)) - D[:, :, b, None])
+        dq[:, :, b] = _product(ds, k)
+        dk = dk + _product(ds.transpose(-1, -2), qs[:, :, b])
     return dq, dk, dv
 
 
@@ -291,8 +288,7 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
                 b = slice(a, min(a + BLOCK, a1))
                 p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
                               - lse[:, :, b, None])
-                vk = Vd[:, :, k0:k1]
-                A[:, :, b] += _mm(p, vk, _low()) if _low() is not None else p @ vk.to(dtype)
+                A[:, :, b] += _product(p, Vd[:, :, k0:k1])
     A_in = A.to(x.dtype)
     dK, dV = torch.zeros_like(A), torch.zeros_like(A)
     dqs, G = torch.zeros_like(A), torch.zeros_like(A)
