@@ -297,7 +297,7 @@ def instrumented_backward(x, g, view, vjps: bool) -> dict:
     clock.total.clear()
     clock.calls.clear()
     clock.marks.clear()  # the forward's one-position calls opened nothing
-    grad, tile_grads = torch.autograd.grad, tiled.tile_grads
+    grad, ops = torch.autograd.grad, tiled.TORCH_OPS
 
     def timed_grad(outputs, inputs, *args, **kw):
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
@@ -308,15 +308,16 @@ def instrumented_backward(x, g, view, vjps: bool) -> dict:
 
     def timed_tiles(*args, **kw):
         with clock("tiles"):
-            return tile_grads(*args, **kw)
+            return ops.grads(*args, **kw)
 
-    torch.autograd.grad, tiled.tile_grads = timed_grad, timed_tiles
+    # the backward reads tiled.TORCH_OPS when called (prefill's default ops)
+    torch.autograd.grad, tiled.TORCH_OPS = timed_grad, tiled.TileOps(ops.update, timed_tiles)
     try:
         t0 = time.perf_counter()
         z.backward(g)
         t_end = time.perf_counter()
     finally:
-        torch.autograd.grad, tiled.tile_grads = grad, tile_grads
+        torch.autograd.grad, tiled.TORCH_OPS = grad, ops
     p1, p2 = clock.marks.get("phase 1", t0), clock.marks.get("phase 2", t_end)
     inner = sum(clock.total.get(k, 0.0) for k in ("kv", "post", "tiles"))
     return {"total": (t_end - t0, None), "phase 0": (p1 - t0, None), "phase 1": (p2 - p1, None),
@@ -338,13 +339,13 @@ def backward_breakdown(x, g, view) -> None:
           f"torch.autograd.grad on it (autograd){'' if has_vjps(view) else ' (this layer has no vjp_kv / vjp_post)'}")
     print(f"{'piece':<62}" + "".join(f" {n + ' ms':>16} {'share':>6}" for n in runs))
     rows = (("total", "backward"),
-            ("phase 0", "phase 0: recompute q, K, V; A tile by tile from the log-sum-exp"),
+            ("phase 0", "phase 0: recompute q, K, V; A from the log-sum-exp"),
             ("phase 1", "phase 1: the reverse loop over positions"),
             ("kv", f"  dz_t from (dK_t, dV_t): kv's input gradient, {N} positions"),
             ("post", f"  g_t from dz_t: post's input gradient, {N} positions"),
-            ("tiles", "  tile_grads (dq, dk, dv of the mirrored tiles)"),
-            ("rest", "  the rest (slicing, D, accumulating dq/dK/dV, casts)"),
-            ("phase 2", "phase 2: diagonal terms and the batched VJPs"),
+            ("tiles", "  tile_grads (dk, dv of the mirrored tiles)"),
+            ("rest", "  the rest (slicing, D, casts)"),
+            ("phase 2", "phase 2: dq, diagonal terms and the batched VJPs"),
             ("grad all", "  autograd.grad over all positions (pre, kv, post)"))
     for key, label in rows:
         print(f"{label:<62}" + "".join(f" {r[key][0] * 1e3:>16,.1f} {r[key][0] / r['total'][0]:>6.1%}"

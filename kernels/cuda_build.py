@@ -147,7 +147,8 @@ def launches(v: Variant) -> list[tuple]:
             triton_tile.update_tile(qs, k, val, t(B, H, n, dtype=f32), t(B, H, n, dtype=f32),
                                     t(B, H, n, D, dtype=f32), slopes, n, 0)
             triton_tile.tile_grads(qs, k, val, t(B, H, n, D, dtype=f32), t(B, H, n, dtype=f32),
-                                   t(B, H, n, dtype=f32), slopes, n, 0)
+                                   t(B, H, n, dtype=f32), slopes, n, 0, t(B, H, n, D, dtype=f32),
+                                   t(B, H, n, D, dtype=f32))
         elif v.op == "delta_memory":
             from kernels.delta_memory import triton_step as ts
 

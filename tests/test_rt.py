@@ -358,9 +358,14 @@ def test_triton_tile_kernels_equal_the_pytorch_tile(nq, nk, alibi):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     gq, D_, lse = torch.randn(B, H, nq, D, generator=g), torch.randn(B, H, nq, generator=g), want[0] + want[1].log()
-    for a, b in zip(triton_tile.tile_grads(qs, k, v, gq, D_, lse, slopes, 70, 3),
-                    tiled.tile_grads(qs, k, v, gq, D_, lse, slopes, 70, 3)):
+    # each adds into accumulators that already hold something, laid out position-major as the backward's
+    start = torch.randn(B, nk, H, D, generator=g).transpose(1, 2), torch.randn(B, nk, H, D, generator=g).transpose(1, 2)
+    got, want = [a.clone() for a in start], [a.clone() for a in start]
+    triton_tile.tile_grads(qs, k, v, gq, D_, lse, slopes, 70, 3, *got)
+    tiled.tile_grads(qs, k, v, gq, D_, lse, slopes, 70, 3, *want)
+    for a, b, s in zip(got, want, start):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(b, s)  # the tile added something
 
 
 @pytest.mark.parametrize("N,leaf,positions", [(17, 1, "alibi"), (37, 16, "alibi"), (33, 4, "rope")])

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not (HAVE_TRITON and interpreting()),
 
 
 def cpu_key(qs, k, *rest):
-    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, rest[-3] is not None, "cpu")
+    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, rest[4] is not None, "cpu")
 
 
 @pytest.fixture

@@ -61,7 +61,7 @@ def _tile_key(qs: Tensor, k: Tensor, *rest):
     """Calls that share a measured choice: CUDA only; the tile's shape, the keys' dtype, ALiBi or not."""
     if qs.device.type != "cuda":
         return None
-    slopes = rest[-3]
+    slopes = rest[4]  # the seventh argument of both
     return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, slopes is not None, str(qs.device))
 
 
@@ -86,7 +86,8 @@ def _update_inputs(key):
 def _grads_inputs(key):
     qs, k, v, slopes, q0, k0, make = _tile_tensors(key)
     lse = torch.full(qs.shape[:3], float(k.shape[2]), device=qs.device)
-    return (qs, k, v, make(*qs.shape), make(*lse.shape), lse, slopes, q0, k0), {}
+    dk = torch.zeros(k.shape, device=k.device)  # the accumulators the tile adds into
+    return (qs, k, v, make(*qs.shape), make(*lse.shape), lse, slopes, q0, k0, dk, torch.zeros_like(dk)), {}
 
 
 def _describe(key) -> str:

@@ -1,7 +1,7 @@
 """The RT tile (spec-003 §3.8) as Triton kernels: the two per-tile functions of tiled.py.
 
     update_tile(qs, k, v, m, l, O, slopes, q0, k0)      fold keys into queries' online softmax, in place
-    tile_grads(qs, k, v, g, D, lse, slopes, q0, k0)     (d qs, d k, d v) of one tile from the log-sum-exp
+    tile_grads(qs, k, v, g, D, lse, slopes, q0, k0, dk, dv)   add one tile's d k, d v into dk, dv (from the log-sum-exp)
 
 with the signatures and semantics of tiled.update_tile and tiled.tile_grads (the references they are
 tested against), so the tile schedule, the leaf-block variant and the custom backward run unchanged
@@ -10,8 +10,9 @@ around them (`OPS`). Every key of a tile precedes every query, so no causal mask
 
 The forward kernel gives each program a block of queries of one (sample, head), loads its (m, l, O),
 loops over the tile's keys in blocks and writes the state back. The backward is FlashAttention-2's
-restricted to the tile: one kernel per key block accumulates dk, dv over the query blocks, another per
-query block accumulates dq. Scaled queries and the softmax state are fp32 (tiled.py's accumulators);
+restricted to the tile: each program takes a block of keys, accumulates its dk, dv over the query
+blocks and adds them into the layer's accumulators (the queries' gradient is taken after the reverse
+loop, for all positions at once: tiled.earlier_keys_grad). Scaled queries and the softmax state are fp32 (tiled.py's accumulators);
 keys and values of any float dtype are widened to fp32, and products are IEEE fp32, so the kernels agree
 with the PyTorch tile to rounding. Blocks: 16 to 32 rows (kernels/triton_support.FLASH_TILES' fp32 entry:
 64 spilled 6.7 KB of registers a thread at head dim 64; tl.dot needs 16), rows past a tile masked;
@@ -102,8 +103,10 @@ def _rt_fwd(QS, K, V, M, L, O, SLOPES, sqb, sqh, sqt, skb, skh, skt, svb, svh, s
 
 @triton.jit
 def _rt_bwd_kv(QS, K, V, G, DL, LSE, SLOPES, DK, DV, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
-               sdb, sdh, sdt, seb, seh, set_, H, nq, nk, D, q0, k0,
+               sdb, sdh, sdt, seb, seh, set_, sab, sah, sat, H, nq, nk, D, q0, k0,
                HAS_ALIBI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """dk, dv of a block of the tile's keys over all its queries, added into DK, DV (fp32 accumulators of
+    strides sab, sah, sat: each key block is one program's, so no atomics)."""
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -123,33 +126,9 @@ def _rt_bwd_kv(QS, K, V, G, DL, LSE, SLOPES, DK, DV, sqb, sqh, sqt, skb, skh, sk
         dv += tl.dot(tl.trans(p), g, input_precision="ieee")
         ds = p * (tl.dot(g, tl.trans(v), input_precision="ieee") - delta[:, None])
         dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
-    out = bh * nk * D + cols[:, None] * D + dd[None, :]  # dk, dv contiguous [B, H, nk, D]
-    tl.store(DK + out, dk, mask=kv_ok)
-    tl.store(DV + out, dv, mask=kv_ok)
-
-
-@triton.jit
-def _rt_bwd_q(QS, K, V, G, DL, LSE, SLOPES, DQ, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sgb, sgh, sgt,
-              sdb, sdh, sdt, seb, seh, set_, H, nq, nk, D, q0, k0,
-              HAS_ALIBI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    dd = tl.arange(0, BD)
-    r_ok, q, g, delta, lse = _query_rows(QS, G, DL, LSE, b, h, rows, dd, nq, D, sqb, sqh, sqt, sgb, sgh, sgt,
-                                         sdb, sdh, sdt, seb, seh, set_)
-    q_ok = r_ok[:, None] & (dd[None, :] < D)
-    slope = _slope(SLOPES, h, HAS_ALIBI)
-    dq = tl.zeros((BM, BD), tl.float32)
-    for start in range(0, nk, BN):
-        cols = start + tl.arange(0, BN)
-        c_ok, k, v = _key_cols(K, V, b, h, cols, dd, nk, D, skb, skh, skt, svb, svh, svt)
-        p = tl.exp(_scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI) - lse[:, None])
-        p = tl.where(r_ok[:, None] & c_ok[None, :], p, 0.0)
-        ds = p * (tl.dot(g, tl.trans(v), input_precision="ieee") - delta[:, None])
-        dq += tl.dot(ds, k, input_precision="ieee")
-    tl.store(DQ + bh * nq * D + rows[:, None] * D + dd[None, :], dq, mask=q_ok)
+    out = b * sab + h * sah + cols[:, None] * sat + dd[None, :]
+    tl.store(DK + out, tl.load(DK + out, mask=kv_ok, other=0.0) + dk, mask=kv_ok)
+    tl.store(DV + out, tl.load(DV + out, mask=kv_ok, other=0.0) + dv, mask=kv_ok)
 
 
 def _launch(nq: int, nk: int, head_dim: int) -> dict:
@@ -183,19 +162,18 @@ def update_tile(qs: Tensor, k: Tensor, v: Tensor, m: Tensor, l: Tensor, O: Tenso
         *_s3(O), H, nq, nk, D, q0, k0, HAS_ALIBI=slopes is not None, **meta)
 
 
-def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, Tensor, Tensor]:
+def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int, dk: Tensor, dv: Tensor) -> None:
     _check(qs)
+    if dk.dtype != torch.float32 or dv.dtype != torch.float32 or dk.stride() != dv.stride():
+        raise ValueError("the RT tile kernels add into float32 dk, dv of one layout")
     B, H, nq, Dh = qs.shape
     nk = k.shape[2]
-    dq = torch.empty(B, H, nq, Dh, device=qs.device, dtype=torch.float32)
-    dk = torch.empty(B, H, nk, Dh, device=qs.device, dtype=torch.float32)
-    dv = torch.empty_like(dk)
-    args = (qs, k, v, g, D, lse, slopes if slopes is not None else qs)
-    strides = (*_s3(qs), *_s3(k), *_s3(v), *_s3(g), *_s3(D), *_s3(lse))
+    if nq == 0 or nk == 0:
+        return
     meta = dict(HAS_ALIBI=slopes is not None, **_launch(nq, nk, Dh))
-    _rt_bwd_kv[(triton.cdiv(nk, meta["BN"]), B * H)](*args, dk, dv, *strides, H, nq, nk, Dh, q0, k0, **meta)
-    _rt_bwd_q[(triton.cdiv(nq, meta["BM"]), B * H)](*args, dq, *strides, H, nq, nk, Dh, q0, k0, **meta)
-    return dq, dk, dv
+    _rt_bwd_kv[(triton.cdiv(nk, meta["BN"]), B * H)](
+        qs, k, v, g, D, lse, slopes if slopes is not None else qs, dk, dv, *_s3(qs), *_s3(k), *_s3(v), *_s3(g),
+        *_s3(D), *_s3(lse), *_s3(dk), H, nq, nk, Dh, q0, k0, **meta)
 
 
 OPS = tiled.TileOps(update_tile, tile_grads)

@@ -692,6 +692,12 @@ def _product(a: Tensor, b: Tensor) -> Tensor:
     return a.to(low) @ b.to(low) if low is not None else a @ b.to(a.dtype)
 
 
+def _cast(x: Tensor) -> Tensor:
+    """x in the running call's autocast dtype (as _product would cast it), for an operand of two products."""
+    low = _low()
+    return x.to(low) if low is not None else x
+
+
 def scores(qs: Tensor, k: Tensor, slopes, q0: int, k0: int) -> Tensor:
     """[B, H, nq, nk] scores of scaled queries qs (positions q0..) against keys k (positions k0..)."""
     s = _product(qs, k.transpose(-1, -2))
@@ -763,7 +769,9 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     if prefix is not None and prefix[0].shape[2]:
         update(qs, prefix[0], prefix[1], m, l, O, layer.slopes, offset, 0)
         KEYS_MOVED[0] += prefix[0].shape[2]
-    K, V = torch.empty_like(kt), torch.empty_like(vt)
+    # head-major ([B, H, N, Dh] contiguous): a tile's key slice then folds (B, H) into one batch of a
+    # product as a view; in the projections' position-major layout matmul copied it at every position
+    K, V = kt.new_empty(kt.shape), vt.new_empty(vt.shape)
     Z = torch.empty_like(x)
     schedule = {t: (k0, k1, q1) for t, k0, k1, q1 in tiles(N, leaf)}
     for t in range(N):
@@ -786,22 +794,57 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     return Z, K, V, m + torch.log(l)
 
 
-def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of one tile from the saved log-sum-exp (FlashAttention-2's backward on a tile):
-    (d scaled queries, d keys, d values) given g = dL/dA of its queries and D = <A, g>; BLOCK queries
-    at a time."""
-    dq, dk, dv = torch.empty_like(qs), 0.0, 0.0
+def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int, dk: Tensor, dv: Tensor) -> None:
+    """Add one tile's key and value gradients into dk, dv (in place), from the saved log-sum-exp
+    (FlashAttention-2's dK, dV on a tile) given g = dL/dA of its queries and D = <A, g>; BLOCK queries
+    at a time. The queries' own gradient waits for the loop's end (earlier_keys_grad: all at once)."""
     for a in range(0, qs.shape[2], BLOCK):
         b = slice(a, a + BLOCK)
         p = torch.exp(scores(qs[:, :, b], k, slopes, q0 + a, k0) - lse[:, :, b, None])
-        dv = dv + _product(p.transpose(-1, -2), g[:, :, b])
-        ds = p * (_product(g[:, :, b], v.transpose(-1, -2)) - D[:, :, b, None])
-        dq[:, :, b] = _product(ds, k)
-        dk = dk + _product(ds.transpose(-1, -2), qs[:, :, b])
-    return dq, dk, dv
+        gb = _cast(g[:, :, b])  # read by two products: cast once
+        dv.add_(_product(p.transpose(-1, -2), gb))
+        ds = p * (_product(gb, v.transpose(-1, -2)) - D[:, :, b, None])
+        dk.add_(_product(ds.transpose(-1, -2), qs[:, :, b]))
 
 
 TORCH_OPS = TileOps(update_tile, tile_grads)
+
+
+ROWS = 64  # queries per block of earlier_keys: its [B, H, ROWS, N] scores are the size of A itself at head dim 64
+
+
+def _earlier(qs: Tensor, K: Tensor, lse: Tensor, slopes, offset: int):
+    """(a, a1, nk, p) for each block of ROWS queries a..a1: p = exp(s - lse) [B, H, a1 - a, nk] of its
+    queries against keys 0..nk, zero where the key is not earlier than the query (strictly causal)."""
+    N = qs.shape[2]
+    for a in range(0, N, ROWS):
+        a1 = min(a + ROWS, N)
+        nk = a1 - 1  # the last query's earlier keys
+        if nk <= 0:
+            continue
+        s = scores(qs[:, :, a:a1], K[:, :, :nk], slopes, offset + a, offset)
+        s.masked_fill_(torch.ones(a1 - a, nk, dtype=torch.bool, device=s.device).triu(a), float("-inf"))  # j >= i
+        yield a, a1, nk, s.to(lse.dtype).sub_(lse[:, :, a:a1, None]).exp_()  # the accumulators' dtype, in place
+
+
+def earlier_keys(qs: Tensor, K: Tensor, V: Tensor, lse: Tensor, slopes, offset: int) -> Tensor:
+    """sum_{j < i} p_ij v_j for every query i: the persistent keys' part of the attention outputs, given each
+    query's log-sum-exp (the tiles the forward ran cover exactly these pairs)."""
+    out = torch.zeros_like(qs)
+    for a, a1, nk, p in _earlier(qs, K, lse, slopes, offset):
+        out[:, :, a:a1] = _product(p, V[:, :, :nk])
+    return out
+
+
+def earlier_keys_grad(qs: Tensor, K: Tensor, V: Tensor, G: Tensor, D: Tensor, lse: Tensor, slopes,
+                      offset: int) -> Tensor:
+    """d scaled queries through their earlier keys, sum_{j < i} p_ij (<g_i, v_j> - D_i) k_j, once every g is
+    known (FlashAttention-2's dQ, strictly causal): no query's gradient is read inside the reverse loop."""
+    dq = torch.zeros_like(qs)
+    for a, a1, nk, p in _earlier(qs, K, lse, slopes, offset):
+        ds = p * (_product(G[:, :, a:a1], V[:, :, :nk].transpose(-1, -2)) - D[:, :, a:a1, None])
+        dq[:, :, a:a1] = _product(ds, K[:, :, :nk])
+    return dq
 
 
 class TiledPrefill(torch.autograd.Function):
@@ -875,19 +918,18 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
         q, kt, vt = layer.pre(xd, offset)
         K, V = layer.kv(zd, offset)
     qs = q.detach().to(dtype) * layer.scale
-    Kd, Vd, ktd, vtd = K.detach(), V.detach(), kt.detach().to(dtype), vt.detach().to(dtype)
+    ktd, vtd = kt.detach().to(dtype), vt.detach().to(dtype)
+    Kd, Vd = K.detach().contiguous(), V.detach().contiguous()  # head-major, as the forward's (no copy per tile)
     p_diag = torch.exp((qs * ktd).sum(-1) - lse)
-    A = p_diag[..., None] * vtd  # the attention outputs, rebuilt from the log-sum-exp
-    for t in range(N):
-        for a0, a1, k0, k1 in _pieces(N, leaf, t):
-            for a in range(a0, a1, BLOCK):
-                b = slice(a, min(a + BLOCK, a1))
-                p = torch.exp(scores(qs[:, :, b], Kd[:, :, k0:k1], layer.slopes, offset + a, offset + k0)
-                              - lse[:, :, b, None])
-                A[:, :, b] += _product(p, Vd[:, :, k0:k1])
+    # the attention outputs, rebuilt from the log-sum-exp: the temporary pairs' part, then the persistent keys'
+    # for all positions at once (they do not depend on the loop below, which once rebuilt them tile by tile)
+    A = p_diag[..., None] * vtd + earlier_keys(qs, Kd, Vd, lse, layer.slopes, offset)
     A_in = A.to(x.dtype)
-    dK, dV = torch.zeros_like(A), torch.zeros_like(A)
-    dqs, G = torch.zeros_like(A), torch.zeros_like(A)
+    # dK, dV position-major: phase 1 hands each position's slice to vjp_kv, which flattens its heads (a view
+    # in this layout, a copy in the head-major one)
+    dK = A.new_zeros(B, N, A.shape[1], A.shape[3]).transpose(1, 2)
+    dV = torch.zeros_like(dK)
+    G = torch.zeros_like(A)
     D = torch.zeros_like(lse)
     gZ_total = torch.empty_like(gZ)
     vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
@@ -912,15 +954,14 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
                 at = A_in[:, :, t:t + 1].detach().requires_grad_()
                 g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
         gZ_total[:, t:t + 1] = dz
-        G[:, :, t:t + 1] = g.to(dtype)
+        G[:, :, t:t + 1].copy_(g)  # the cast inside the copy
         D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
         for a0, a1, k0, k1 in _pieces(N, leaf, t):
-            dq, dk, dv = ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1],
-                                    D[:, :, a0:a1], lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0)
-            dqs[:, :, a0:a1] += dq
-            dK[:, :, k0:k1] += dk
-            dV[:, :, k0:k1] += dv
-    ds_diag = p_diag * ((G * vtd).sum(-1) - D)  # phase 2: the temporary pairs, then the batched graphs
+            ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1], D[:, :, a0:a1],
+                      lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0, dK[:, :, k0:k1], dV[:, :, k0:k1])
+    # phase 2: the queries' gradient through the earlier keys and the temporary pairs, then the batched graphs
+    dqs = earlier_keys_grad(qs, Kd, Vd, G, D, lse, layer.slopes, offset)
+    ds_diag = p_diag * ((G * vtd).sum(-1) - D)
     dqs += ds_diag[..., None] * ktd
     d_kt = ds_diag[..., None] * qs
     d_vt = p_diag[..., None] * G
