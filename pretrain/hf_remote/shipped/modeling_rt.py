@@ -762,7 +762,7 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     B, N, _ = x.shape
     dtype = acc_dtype(x)
     q, kt, vt = layer.pre(x, offset)
-    qs = q.to(dtype) * layer.scale
+    qs = (q.to(dtype) * layer.scale).contiguous()  # head-major, as K and V below
     m = (qs * kt.to(dtype)).sum(-1)  # the temporary pair first (its ALiBi distance is 0)
     l = torch.ones_like(m)
     O = vt.to(dtype).clone()
@@ -917,7 +917,7 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
         xd, zd = x.detach().requires_grad_(), Z.detach().requires_grad_()
         q, kt, vt = layer.pre(xd, offset)
         K, V = layer.kv(zd, offset)
-    qs = q.detach().to(dtype) * layer.scale
+    qs = (q.detach().to(dtype) * layer.scale).contiguous()
     ktd, vtd = kt.detach().to(dtype), vt.detach().to(dtype)
     Kd, Vd = K.detach().contiguous(), V.detach().contiguous()  # head-major, as the forward's (no copy per tile)
     p_diag = torch.exp((qs * ktd).sum(-1) - lse)
@@ -942,20 +942,20 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
         dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
         at = prep.at(t) if prep is not None else None
         if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
-            dz = vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t, at) + gZ[:, t:t + 1]
+            dz = torch.add(vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t, at), gZ[:, t:t + 1], out=gZ_total[:, t:t + 1])
         else:
             with torch.enable_grad():
                 zt = Z[:, t:t + 1].detach().requires_grad_()
-                dz = torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0] + gZ[:, t:t + 1]
+                dz = torch.add(torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0], gZ[:, t:t + 1],
+                               out=gZ_total[:, t:t + 1])
         if vjp_post is not None:
             g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz, at)
         else:
             with torch.enable_grad():
                 at = A_in[:, :, t:t + 1].detach().requires_grad_()
                 g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
-        gZ_total[:, t:t + 1] = dz
         G[:, :, t:t + 1].copy_(g)  # the cast inside the copy
-        D[:, :, t] = (A[:, :, t] * G[:, :, t]).sum(-1)
+        torch.sum(A[:, :, t] * G[:, :, t], -1, out=D[:, :, t])  # written in place: out= saves a copy per position
         for a0, a1, k0, k1 in _pieces(N, leaf, t):
             ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1], D[:, :, a0:a1],
                       lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0, dK[:, :, k0:k1], dV[:, :, k0:k1])
