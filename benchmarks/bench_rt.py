@@ -293,10 +293,6 @@ def instrumented_backward(x, g, view, vjps: bool) -> dict:
     clock = Clock()
     timed = TimedLayer(view, clock, vjps)
     zero_grads(x, view)
-    z = tiled.prefill(x, timed)
-    clock.total.clear()
-    clock.calls.clear()
-    clock.marks.clear()  # the forward's one-position calls opened nothing
     grad, ops = torch.autograd.grad, tiled.TORCH_OPS
 
     def timed_grad(outputs, inputs, *args, **kw):
@@ -310,9 +306,13 @@ def instrumented_backward(x, g, view, vjps: bool) -> dict:
         with clock("tiles"):
             return ops.grads(*args, **kw)
 
-    # the backward reads tiled.TORCH_OPS when called (prefill's default ops)
-    torch.autograd.grad, tiled.TORCH_OPS = timed_grad, tiled.TileOps(ops.update, timed_tiles)
-    try:
+    try:  # the forward keeps the ops its backward runs (prefill's default: tiled.TORCH_OPS, read when called)
+        tiled.TORCH_OPS = tiled.TileOps(ops.update, timed_tiles)
+        z = tiled.prefill(x, timed)
+        clock.total.clear()
+        clock.calls.clear()
+        clock.marks.clear()  # the forward's one-position calls opened nothing
+        torch.autograd.grad = timed_grad
         t0 = time.perf_counter()
         z.backward(g)
         t_end = time.perf_counter()
