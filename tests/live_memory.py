@@ -16,10 +16,13 @@ from torch.utils._pytree import tree_flatten
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self):
+    def __init__(self, exclude=()):
+        """exclude: tensors whose storages are never counted (parameters and their gradients: an op that
+        returns one of them, a detach or an in-place add, makes nothing new)."""
         super().__init__()
         self.live = self.peak = 0
         self._refs: dict[int, weakref.ref] = {}
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -27,7 +30,7 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
-                if key and key not in self._refs and storage.nbytes():
+                if key and key not in self._refs and key not in self._exclude and storage.nbytes():
                     size = storage.nbytes()
                     self.live += size
                     self.peak = max(self.peak, self.live)
