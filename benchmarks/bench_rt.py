@@ -35,7 +35,7 @@ the layer has hand-written input gradients (LayerView.vjp_kv / vjp_post, used by
 sequential phase), a third path "tiled/autograd" hides them, so the backward falls back to
 torch.autograd.grad on a one-position graph per position: their gain, measured the same way.
 Then one instrumented tiled backward per variant split by phase (spec §3.5: 0 parallel recompute of A
-from the log-sum-exp tile by tile, 1 the reverse loop over positions, 2 the batched VJPs), phase 1
+from the log-sum-exp, 1 the reverse loop over positions, 2 the queries' gradient and the batched VJPs), phase 1
 further into kv's and post's input gradients at each position, the tile gradients and the rest.
 --profile adds torch.profiler tables (self CPU time per op) of the tiled and the naive backward.
 
@@ -244,14 +244,17 @@ def has_vjps(view) -> bool:
 
 class TimedLayer:
     """A LayerView whose calls are timed, and mark the backward's phases: phase 1 starts at the first
-    one-position kv() or vjp_kv(), phase 2 at the first all-position post(). Exposes vjp_kv / vjp_post
-    only when `vjps` (and the view has them), so the backward takes the same branch as for the view."""
+    one-position kv() or vjp_kv(), phase 2 at the first batched gradient (instrumented_backward) or
+    all-position post(). Exposes vjp_kv / vjp_post (and vjp_prepare) only when `vjps` (and the view has
+    them), so the backward takes the same branch as for the view."""
 
     def __init__(self, view: LayerView, clock: Clock, vjps: bool):
         self.view, self.clock = view, clock
         self.scale, self.slopes = view.scale, view.slopes
         if vjps and has_vjps(view):
             self.vjp_kv, self.vjp_post = self._vjp_kv, self._vjp_post
+            if hasattr(view, "vjp_prepare"):  # as training: their forward quantities once, before the loop
+                self.vjp_prepare = view.vjp_prepare
 
     def pre(self, x, offset):
         with self.clock("pre"):
@@ -299,6 +302,8 @@ def instrumented_backward(x, g, view, vjps: bool) -> dict:
         first = inputs[0] if isinstance(inputs, (tuple, list)) else inputs
         label = ("kv" if first.dim() == 3 and first.shape[1] == 1 else
                  "post" if first.dim() == 4 and first.shape[2] == 1 else "grad all")
+        if label == "grad all":
+            clock.mark("phase 2")  # its first batched gradient (kv's) comes right after the loop
         with clock(label):
             return grad(outputs, inputs, *args, **kw)
 

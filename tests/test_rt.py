@@ -126,13 +126,15 @@ class _WithoutOwnGradients:
         self.pre, self.post, self.kv, self.parameters = view.pre, view.post, view.kv, view.parameters
 
 
-@pytest.mark.parametrize("positions,norm,qk_norm,leaf,own", [("alibi", "rms", "full", 1, True),
-                                                             ("rope", "layer", "head", 1, True),
-                                                             ("alibi", "layer", "full", 4, True),
-                                                             ("rope", "rms", "full", 2, False)])
-def test_the_custom_backward_equals_autograd_through_the_naive_loop(positions, norm, qk_norm, leaf, own):
-    model = model_of(positions=positions, norm=norm, qk_norm=qk_norm, residual_multiplier=0.7)
-    N = 37
+@pytest.mark.parametrize("positions,norm,qk_norm,leaf,own,N", [("alibi", "rms", "full", 1, True, 37),
+                                                               ("rope", "layer", "head", 1, True, 37),
+                                                               ("alibi", "layer", "full", 4, True, 37),
+                                                               ("rope", "rms", "full", 2, False, 37),
+                                                               # past the 64-query blocks that rebuild the
+                                                               # attention outputs and the queries' gradient
+                                                               ("alibi", "rms", "full", 16, True, 130)])
+def test_the_custom_backward_equals_autograd_through_the_naive_loop(positions, norm, qk_norm, leaf, own, N):
+    model = model_of(positions=positions, norm=norm, qk_norm=qk_norm, residual_multiplier=0.7, max_seq_len=max(128, N))
     x = torch.randn(3, N, 16, dtype=torch.float64, requires_grad=True)
     view = layer_of(model, N) if own else _WithoutOwnGradients(layer_of(model, N))
     params = list(model.blocks[0].parameters())

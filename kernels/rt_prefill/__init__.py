@@ -86,7 +86,8 @@ def _update_inputs(key):
 def _grads_inputs(key):
     qs, k, v, slopes, q0, k0, make = _tile_tensors(key)
     lse = torch.full(qs.shape[:3], float(k.shape[2]), device=qs.device)
-    dk = torch.zeros(k.shape, device=k.device)  # the accumulators the tile adds into
+    B, H, nk, D = k.shape  # the accumulators the tile adds into, position-major as the backward's dK, dV
+    dk = torch.zeros(B, nk, H, D, device=k.device).transpose(1, 2)
     return (qs, k, v, make(*qs.shape), make(*lse.shape), lse, slopes, q0, k0, dk, torch.zeros_like(dk)), {}
 
 

@@ -364,23 +364,24 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
         for a0, a1, k0, k1 in _pieces(N, leaf, t):
             ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1], D[:, :, a0:a1],
                       lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0, dK[:, :, k0:k1], dV[:, :, k0:k1])
-    # phase 2: the queries' gradient through the earlier keys and the temporary pairs, then the batched graphs,
-    # one at a time, each dropped before the next is made: what the loop read and each graph's saved tensors
-    # are the layer's backward's peak (at 512 x 512 tokens a layer's MLP graph alone holds ~9 GB)
-    prep = at = None
+    # phase 2: the batched graphs and the queries' gradient, one at a time, each graph and whatever the next
+    # step does not read dropped before it: what the loop read and each graph's saved tensors are the layer's
+    # backward's peak (at 512 x 512 tokens a layer's MLP graph alone holds ~9 GB). The parameters' gradients
+    # are summed in the same order as ever (pre, kv, post).
+    prep = at = A = None
+    grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
+    del K, V, dK, dV
     dqs = earlier_keys_grad(qs, Kd, Vd, G, D, lse, layer.slopes, offset)
     del Kd, Vd
     ds_diag = p_diag * ((G * vtd).sum(-1) - D)
     dqs += ds_diag[..., None] * ktd
     d_kt = ds_diag[..., None] * qs
     d_vt = p_diag[..., None] * G
-    del G, A, ds_diag
+    del G, ds_diag, qs, ktd, vtd, p_diag
     inputs = (xd, *params)
     grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
                                                           d_vt.to(vt.dtype)), allow_unused=True)
     del q, kt, vt, dqs, d_kt, d_vt
-    grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
-    del K, V, dK, dV
     with torch.enable_grad():
         xp = x.detach().requires_grad_()
         zp = layer.post(xp, A_in)
