@@ -244,9 +244,9 @@ def has_vjps(view) -> bool:
 
 class TimedLayer:
     """A LayerView whose calls are timed, and mark the backward's phases: phase 1 starts at the first
-    one-position kv() or vjp_kv(), phase 2 at the first batched gradient (instrumented_backward) or
-    all-position post(). Exposes vjp_kv / vjp_post (and vjp_prepare) only when `vjps` (and the view has
-    them), so the backward takes the same branch as for the view."""
+    one-position kv() or vjp_kv(); phase 2 (instrumented_backward) at the first batched gradient. Exposes
+    vjp_kv / vjp_post (and vjp_prepare) only when `vjps` (and the view has them), so the backward takes the
+    same branch as for the view."""
 
     def __init__(self, view: LayerView, clock: Clock, vjps: bool):
         self.view, self.clock = view, clock
@@ -272,7 +272,6 @@ class TimedLayer:
         if x.shape[1] == 1:
             with self.clock("post"):
                 return self.view.post(x, a)
-        self.clock.mark("phase 2")
         with self.clock("post all"):
             return self.view.post(x, a)
 
