@@ -25,11 +25,9 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
-from live_memory import LiveBytes  # noqa: E402
+from live_memory import step_peak  # noqa: E402
 from pretrain.config import load_config  # noqa: E402
-from pretrain.data.batch import Batch  # noqa: E402
 from pretrain.models import get_arch  # noqa: E402
-from pretrain.models.base import StepContext  # noqa: E402
 from pretrain.plan import bf16_activations  # noqa: E402
 
 GIB = 2 ** 30
@@ -38,14 +36,8 @@ GIB = 2 ** 30
 def peak(model, vocab: int, B: int, T: int, bf16: bool) -> int:
     """Live bytes at the worst moment of one forward and backward of B random sequences of T tokens."""
     tokens = torch.randint(5, vocab, (B, T), generator=torch.Generator().manual_seed(B))
-    batch = Batch(tokens, torch.roll(tokens, -1, 1), torch.ones(B, T, dtype=torch.bool),
-                  torch.zeros(B, T, dtype=torch.int32), torch.arange(T).expand(B, T))
     params = list(model.parameters())
-    with LiveBytes(exclude=[*params, *(p.grad for p in params)]) as live:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(batch, StepContext.for_step(0, 0))[0]
-        loss.backward()
-    return live.peak
+    return step_peak(model, tokens, bf16, exclude=[*params, *(p.grad for p in params)])
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,8 @@ statistics): every storage an op creates is counted from its creation until Pyth
     with LiveBytes() as live:
         loss.backward()
     live.peak   # bytes above what was alive before, at the worst moment
+
+    step_peak(model, tokens, bf16)   # the same over one training forward and backward of a registry model
 """
 from __future__ import annotations
 
@@ -40,3 +42,19 @@ class LiveBytes(TorchDispatchMode):
     def _free(self, key: int, size: int) -> None:
         if self._refs.pop(key, None) is not None:
             self.live -= size
+
+
+def step_peak(model, tokens: torch.Tensor, bf16: bool = False, exclude=()) -> int:
+    """LiveBytes' peak over one training forward and backward of a registry model on tokens [B, T] (each row
+    one document, the next token its target), under CPU bf16 autocast when `bf16`; `exclude` as LiveBytes'."""
+    from pretrain.data.batch import Batch
+    from pretrain.models.base import StepContext
+
+    B, T = tokens.shape
+    batch = Batch(tokens, torch.roll(tokens, -1, 1), torch.ones(B, T, dtype=torch.bool),
+                  torch.zeros(B, T, dtype=torch.int32), torch.arange(T).expand(B, T))
+    with LiveBytes(exclude) as live:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(batch, StepContext.for_step(0, 0))[0]
+        loss.backward()
+    return live.peak

@@ -153,11 +153,9 @@ def _measured_peak(arch: str, policy: str, overrides: list[str], bf16: bool = Fa
     CPU bf16 autocast; `batch`: the micro batch (0: the config's)."""
     import torch
 
-    from live_memory import LiveBytes
+    from live_memory import step_peak
     from pretrain.config import load_config
-    from pretrain.data.batch import Batch
     from pretrain.models import get_arch
-    from pretrain.models.base import StepContext
 
     cfg = load_config(f"{arch}/tiny", overrides, check_data=False)
     spec = get_arch(arch)
@@ -167,20 +165,10 @@ def _measured_peak(arch: str, policy: str, overrides: list[str], bf16: bool = Fa
         spec.recompute_policies()[policy].apply(model)
     B, T = batch or cfg.train.micro_batch_seqs, cfg.data.seq_len
     tokens = torch.randint(5, cfg.model.vocab_size, (B, T))
-    batch = Batch(tokens, torch.roll(tokens, -1, 1), torch.ones(B, T, dtype=torch.bool),
-                  torch.zeros(B, T, dtype=torch.int32), torch.arange(T).expand(B, T))
     for p in model.parameters():  # gradients exist before: the backward only adds into them
         p.grad = torch.zeros_like(p)
-    ctx = StepContext.for_step(0, 0)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-    with autocast:
-        loss = model(batch, ctx)[0]
-    loss.backward()  # lazily built tables (RoPE, masks) are not activations
-    with LiveBytes() as live:
-        with autocast:
-            loss = model(batch, ctx)[0]
-        loss.backward()
-    return live.peak, spec.activation_bytes(cfg.model, T, B, policy)
+    step_peak(model, tokens, bf16)  # lazily built tables (RoPE, masks) are not activations
+    return step_peak(model, tokens, bf16), spec.activation_bytes(cfg.model, T, B, policy)
 
 
 VARIANT = ["model.n_layers=2", "model.ffn_hidden=1024", "data.seq_len=128"]
