@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="4,8", help="two or more micro batch sizes to measure (default 4,8)")
     ap.add_argument("--fp32", action="store_true", help="no autocast (the planner's fp32 figure beside it)")
     ap.add_argument("--threads", type=int, default=1)
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # overrides may come after options, as the examples above
     batches = sorted({int(b) for b in a.batches.split(",")})
     if len(batches) < 2 or batches[0] < 1:
         ap.error(f"--batches needs two or more sizes >= 1, got {a.batches!r}")

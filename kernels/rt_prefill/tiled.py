@@ -7,13 +7,14 @@ by tile (schedule.py); position t is finalised at step t, its output z_t compute
 written in place. Keys moved: (N/2) log2 N instead of the naive N (N - 1) / 2.
 
 Backward (`TiledPrefill`): saved are the layer's input X, output Z and each query's log-sum-exp, never
-an N x N matrix. Phase 0 recomputes q and the temporary pairs from X, the persistent pairs from Z, and
-the attention outputs A from the log-sum-exp, for all positions at once (strictly causal, in blocks of
-queries). Phase 1 walks the positions backwards: the gradient reaching z_t is the upstream one plus what
-its persistent pair received (complete by then, since only later queries read it), the attention
-gradient g_t follows through post(), and the tiles whose queries start at t (the forward's, mirrored)
-add their gradient into the earlier keys and values. Only that is sequential: the queries' gradient
-waits for the loop's end and is taken for all positions at once, like A.
+an N x N matrix. Phase 0 recomputes q and the temporary pairs from X, the persistent pairs from Z (values
+only: phase 2 builds their graphs again when it needs them), and the attention outputs A from the
+log-sum-exp, for all positions at once (strictly causal, in blocks of queries). Phase 1 walks the
+positions backwards: the gradient reaching z_t is the upstream one plus what its persistent pair received
+(complete by then, since only later queries read it), the attention gradient g_t follows through post(),
+and the tiles whose queries start at t (the forward's, mirrored) add their gradient into the earlier keys
+and values. Only that is sequential: the queries' gradient waits for the loop's end and is taken for all
+positions at once, like A.
 A layer may provide its own input gradients of kv and post (vjp_kv, vjp_post: cheaper than an autograd
 graph per position), and vjp_prepare, what they read of the forward computed for all positions before the
 loop; autograd is used otherwise. Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
@@ -318,13 +319,16 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
                    gZ: Tensor) -> list:
     B, N, _ = x.shape
     dtype = acc_dtype(x)
-    with torch.enable_grad():  # phase 0: the batched graphs phase 2 backpropagates through
-        xd, zd = x.detach().requires_grad_(), Z.detach().requires_grad_()
-        q, kt, vt = layer.pre(xd, offset)
-        K, V = layer.kv(zd, offset)
-    qs = (q.detach().to(dtype) * layer.scale).contiguous()
-    ktd, vtd = kt.detach().to(dtype), vt.detach().to(dtype)
-    Kd, Vd = K.detach().contiguous(), V.detach().contiguous()  # head-major, as the forward's (no copy per tile)
+    # phase 0: the values only; phase 2 rebuilds pre's and kv's graphs one at a time when it backpropagates
+    # through them. Held through the loop, their saved tensors (the norms' float32 copies among them) were a
+    # quarter of its peak (benchmarks/activation_peak.py), for ~5 d^2 multiply-adds per token to recompute.
+    with torch.no_grad():
+        q, kt, vt = layer.pre(x, offset)
+        K, V = layer.kv(Z, offset)
+    qs = (q.to(dtype) * layer.scale).contiguous()
+    ktd, vtd = kt.to(dtype), vt.to(dtype)
+    Kd, Vd = K.contiguous(), V.contiguous()  # head-major, as the forward's (no copy per tile)
+    del q, kt, vt, K, V
     p_diag = torch.exp((qs * ktd).sum(-1) - lse)
     # the attention outputs, rebuilt from the log-sum-exp: the temporary pairs' part, then the persistent keys'
     # for all positions at once (they do not depend on the loop below, which once rebuilt them tile by tile)
@@ -369,6 +373,8 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     # backward's peak (at 512 x 512 tokens a layer's MLP graph alone holds ~9 GB). The parameters' gradients
     # are summed in the same order as ever (pre, kv, post).
     prep = at = A = None
+    with torch.enable_grad():
+        K, V = layer.kv(Z.detach().requires_grad_(), offset)
     grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
     del K, V, dK, dV
     dqs = earlier_keys_grad(qs, Kd, Vd, G, D, lse, layer.slopes, offset)
@@ -378,6 +384,9 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     d_kt = ds_diag[..., None] * qs
     d_vt = p_diag[..., None] * G
     del G, ds_diag, qs, ktd, vtd, p_diag
+    with torch.enable_grad():
+        xd = x.detach().requires_grad_()
+        q, kt, vt = layer.pre(xd, offset)
     inputs = (xd, *params)
     grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
                                                           d_vt.to(vt.dtype)), allow_unused=True)
