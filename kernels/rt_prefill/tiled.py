@@ -391,16 +391,20 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
                                                           d_vt.to(vt.dtype)), allow_unused=True)
     del q, kt, vt, dqs, d_kt, d_vt
+    # each parameter's pre + kv now (the order the sum has always had), so that at most three sets of the
+    # layer's parameter gradients are alive at once, not five
+    summed = [_sum(a, b) for a, b in zip(grads_pre[1:], grads_kv)]
+    dx_pre = grads_pre[0]
+    del grads_pre, grads_kv
     with torch.enable_grad():
         xp = x.detach().requires_grad_()
         zp = layer.post(xp, A_in)
     grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
-    dx = grads_pre[0] + grads_post[0]
-    out = []
-    for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
-        parts = [g for g in (a, b, c) if g is not None]
-        out.append(sum(parts[1:], parts[0]) if parts else None)
-    return [dx, *out]
+    return [dx_pre + grads_post[0], *(_sum(a, c) for a, c in zip(summed, grads_post[1:]))]
+
+
+def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return b if a is None else a if b is None else a + b
 
 
 def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0, ops: TileOps | None = None) -> Tensor:

@@ -985,16 +985,20 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
                                                           d_vt.to(vt.dtype)), allow_unused=True)
     del q, kt, vt, dqs, d_kt, d_vt
+    # each parameter's pre + kv now (the order the sum has always had), so that at most three sets of the
+    # layer's parameter gradients are alive at once, not five
+    summed = [_sum(a, b) for a, b in zip(grads_pre[1:], grads_kv)]
+    dx_pre = grads_pre[0]
+    del grads_pre, grads_kv
     with torch.enable_grad():
         xp = x.detach().requires_grad_()
         zp = layer.post(xp, A_in)
     grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
-    dx = grads_pre[0] + grads_post[0]
-    out = []
-    for a, b, c in zip(grads_pre[1:], grads_kv, grads_post[1:]):
-        parts = [g for g in (a, b, c) if g is not None]
-        out.append(sum(parts[1:], parts[0]) if parts else None)
-    return [dx, *out]
+    return [dx_pre + grads_post[0], *(_sum(a, c) for a, c in zip(summed, grads_post[1:]))]
+
+
+def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return b if a is None else a if b is None else a + b
 
 
 def prefill(x: Tensor, layer, leaf: int = 1, offset: int = 0, ops: TileOps | None = None) -> Tensor:
@@ -2201,8 +2205,11 @@ class VjpPrep(dict):
 
 
 def _gelu_grad(x: Tensor) -> Tensor:
-    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x)."""
-    return 0.5 * (1.0 + torch.erf(x * math.sqrt(0.5))) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    """d gelu(x) / dx for the exact (erf) GELU: Phi(x) + x phi(x). Two temporaries the size of x, written in
+    place (vjp_prepare runs it on every position's MLP at once, the layer backward's peak as a formula with
+    one temporary per operation); the operations and their order are the formula's."""
+    x_phi = torch.mul(x, -0.5).mul_(x).exp_().mul_(x).div_(math.sqrt(2 * math.pi))
+    return torch.mul(x, math.sqrt(0.5)).erf_().add_(1.0).mul_(0.5).add_(x_phi)
 
 
 class RTBlock(nn.Module):
