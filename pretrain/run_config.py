@@ -308,6 +308,10 @@ class RunConfig:
             if size % self.parallel.tp:
                 raise ConfigError(f"parallel.tp={self.parallel.tp} does not divide {name} = {size}")
         par = self.parallel
+        if getattr(self.model, "loss_chunk", 0) and (par.tp > 1 or par.megatron_layers):
+            raise ConfigError(f"model.loss_chunk={self.model.loss_chunk} is not used under megatron-core's layers "
+                              f"(parallel.tp={par.tp}, parallel.megatron_layers={str(par.megatron_layers).lower()}): "
+                              "their vocab-parallel loss takes the whole logits, split over tp; set model.loss_chunk=0")
         if self.train.precision == "fp64" and (par.tp > 1 or par.pp > 1 or par.data_parallel != "ddp"):
             raise ConfigError(f"train.precision=fp64 runs with parallel.data_parallel=ddp, tp=1 and pp=1 only (got "
                               f"data_parallel={par.data_parallel}, tp={par.tp}, pp={par.pp}): it is a numerical-check mode")

@@ -64,6 +64,9 @@ def test_the_rt_papers_warmup_cosine_schedule_loads_and_round_trips():
         (["parallel.data_parallel=deepspeed", "parallel.zero_stage=3", "parallel.tp=2"],
          r"deepspeed \(ZeRO-3\) with megatron-core tensor parallelism is not supported"),
         (["parallel.distributed_optimizer=true"], "parallel.distributed_optimizer=true is megatron-core's"),
+        (["model.loss_chunk=512", "parallel.tp=2"], r"model.loss_chunk=512 is not used under megatron-core's layers "
+         r"\(parallel.tp=2, parallel.megatron_layers=false\): their vocab-parallel loss takes the whole logits"),
+        (["model.loss_chunk=512", "parallel.megatron_layers=true"], r"parallel.megatron_layers=true\)"),
         (["parallel.data_parallel=megatron", "train.compile=true"], "train.compile=true is supported with "),
         (["parallel.recompute=some"], "parallel.recompute=some: model.arch 'baseline' offers full"),
         (["parallel.recompute=a-b"], "parallel.recompute must be none, full or a policy the architecture names"),

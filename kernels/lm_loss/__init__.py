@@ -25,4 +25,17 @@ def lm_loss(h, weight, labels, loss_mask=None, chunk: int = 0):
     return OP(h, weight, labels, loss_mask, chunk=chunk)
 
 
-__all__ = ["OP", "chunked", "lm_loss", "reference"]
+def memory_columns(vocab: int, width: int, positions: int, chunk: int = 0) -> tuple[float, float]:
+    """The loss's activation memory in the planner's units, float32 numbers per position of a micro batch
+    of `positions` (the registry's activation_bytes): (kept from the forward into the backward, added
+    at the loss's own peak). The reference keeps the logits (V) and adds their softmax and gradient (2 V);
+    the chunked path (chunk > 0) keeps the gradients of h (d) and of the weight (V x d, spread over the
+    positions) and holds one chunk's logits and their gradient at a time (2 V per chunk position, spread
+    likewise). Under megatron-core's vocab-parallel layers (parallel.tp > 1) the reference's figures hold,
+    split by tp, whatever the chunk."""
+    if chunk <= 0:
+        return float(vocab), 2.0 * vocab
+    return width + vocab * width / positions, 2.0 * vocab * min(chunk, positions) / positions
+
+
+__all__ = ["OP", "chunked", "lm_loss", "memory_columns", "reference"]

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.lm_loss import memory_columns
 from parallel.layers import ColumnLinear, ReplicatedLinear, replicated_parameter
 from parallel.stages import balanced_split
 from parallel.recompute import Recompute, apply_recompute
@@ -374,22 +375,24 @@ def _block_units(model: CART) -> list[nn.Module]:
 
 def activation_bytes(cfg: CARTConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
     """Peak activation bytes of one micro batch (fp32), in columns of N = batch x seq_len (fitted to
-    tests/test_plan.py's measurements). A prelude or coda layer keeps 15.1 d + 4.2 f (a block with the
-    low-rank key/value bottleneck), a core pass 12.4 d + 4.2 f; the embedding, anchor projection and head
-    V + 7.2 d; the loss's backward adds 2 V. Policy loop keeps one state (d) per pass instead; block and
-    pass keep each layer's input (1.46 d) and each pass's state (block: 2 d, its block input too), with
-    V + 8.7 d outside, and recompute one layer or pass at a time in the backward. The Dense baseline is
-    the decoder's."""
+    tests/test_plan.py's measurements). A prelude or coda layer keeps 10.5 d + 4.2 f (a block with the
+    low-rank key/value bottleneck), a core pass 7.8 d + 4.2 f; the embedding, anchor projection and head
+    7.2 d and the loss its kept columns (the logits, V, unchunked: kernels/lm_loss's memory_columns); the
+    loss's backward adds its peak (2 V unchunked). Policy loop keeps one state (d) per pass instead; block
+    and pass keep each layer's input (1.46 d) and each pass's state (block: 2 d, its block input too), with
+    8.7 d outside, and recompute one layer or pass at a time in the backward, after the loss's backward has
+    freed what the loss kept. Parameter gradients are left out. The Dense baseline is the decoder's."""
     if cfg.dense:
         return decoder.activation_bytes(cfg, seq_len, batch, "none" if recompute == "none" else "full")
     d, f, V, P, R = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers, cfg.n_loops
-    layer, core = 15.1 * d + 4.2 * f, 12.4 * d + 4.2 * f
+    layer, core = 10.5 * d + 4.2 * f, 7.8 * d + 4.2 * f
+    kept, peak = memory_columns(V, d, batch * seq_len, cfg.loss_chunk)  # the loss's: V and 2 V unchunked
     if recompute == "none":
-        columns = V + 7.2 * d + (P + 1) * layer + R * core + 2 * V
+        columns = kept + 7.2 * d + (P + 1) * layer + R * core + peak
     elif recompute == "loop":
-        columns = V + 7.2 * d + (P + 1) * layer + R * d + max(2 * V, core)
+        columns = 7.2 * d + (P + 1) * layer + R * d + max(kept + peak, core)
     else:  # pass (= full) or block
-        columns = V + 8.7 * d + (P + 1) * 1.46 * d + R * (2 if recompute == "block" else 1) * d + max(2 * V, layer)
+        columns = 8.7 * d + (P + 1) * 1.46 * d + R * (2 if recompute == "block" else 1) * d + max(kept + peak, layer)
     return int(4 * batch * seq_len * columns)
 
 

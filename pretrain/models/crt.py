@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from kernels.attention import decoder_mask
+from kernels.lm_loss import memory_columns
 from parallel.layers import gather_sequence, shift_right
 from pretrain.models.base import EVAL
 from pretrain.models.blocks import Attend, Block, BlockOptions, dropout, make_norm, mlp, upgrade_attention_state
@@ -485,18 +486,22 @@ def activation_bytes(cfg: CRTConfig, seq_len: int, batch: int, recompute: str = 
     """Peak activation bytes of one micro batch (fp32) at K = k_max passes (the most a step draws), in
     columns of N = batch x seq_len, fitted to tests/test_plan.py's measurements of the paper block
     (f = 4 d; V = 4096): each block application of each pass keeps 10.25 d + 2 f and each pass's correction
-    9.6 d, the rest 0.82 V, the loss's backward 2 V. Policy pass (= full) keeps each pass's state (2 d)
-    and recomputes a pass in the backward (at most 3/4 of its activations at once, as measured); block keeps each block input (1.2 d per application) and 3 d per
-    pass; both keep V + 3.3 d outside the passes."""
+    9.6 d, the rest 0.82 of the loss's kept columns (the logits, V, unchunked: kernels/lm_loss's
+    memory_columns), the loss's backward its peak (2 V unchunked). Policy pass (= full) keeps each pass's
+    state (2 d) and recomputes a pass in the backward (at most 3/4 of its activations at once, as
+    measured); block keeps each block input (1.2 d per application) and 3 d per pass; both keep 3.3 d
+    outside the passes, and what the loss kept until its backward, which comes before the recomputation.
+    Parameter gradients are left out."""
     d, f, V, L, K = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers, cfg.k_max
     application, correction = 10.25 * d + 2 * f, 9.6 * d
+    kept, peak = memory_columns(V, d, batch * seq_len, cfg.loss_chunk)  # the loss's: V and 2 V unchunked
     if recompute == "none":
-        columns = 0.82 * V + K * (L * application + correction) + 2 * V
+        columns = 0.82 * kept + K * (L * application + correction) + peak
     elif recompute == "block":
-        columns = V + 3.3 * d + K * (3 * d + L * 1.2 * d) + max(2 * V, application)
+        columns = 3.3 * d + K * (3 * d + L * 1.2 * d) + max(kept + peak, application)  # the loss's backward first
     else:
         # the recomputed pass in the backward: below the loss's 2 V in every measured case; bounded so
-        columns = V + 3.3 * d + K * 2 * d + max(2 * V, 0.75 * (L * application + correction))
+        columns = 3.3 * d + K * 2 * d + max(kept + peak, 0.75 * (L * application + correction))
     return int(4 * batch * seq_len * columns)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels.attention import Mask, decoder_mask
+from kernels.lm_loss import memory_columns
 from parallel.layers import LMHead, VocabEmbedding
 from parallel.stages import mark_tied
 from pretrain.models.base import EVAL, ModelConfig, check_eos_id, continue_doc_ids, doc_ids_of
@@ -312,17 +313,20 @@ def activation_bytes(cfg, seq_len: int, batch: int, recompute: str = "none") -> 
       a block keeps 12.25 d + 4.2 f (its two norms' inputs and outputs, q, k, v and the rotated q and k,
         the attention output, the SwiGLU's gate, up, activation and product; flash-style attention
         keeps no T x T scores), or its input alone (1.8 d) under recompute;
-      the embedding, final norm and head keep V + 4.25 d (the fp32 logits);
-      the backward adds 2 V at the loss (the logits' gradient and softmax) or, under recompute,
-        one block recomputed (12.25 d + 4.2 f + 2 d) when that is larger.
-    model.loss_chunk is not modelled (it removes most of the V terms). Measured with the gradients
-    already allocated, a backward also holds up to one parameter-sized set of gradient temporaries
-    (4 bytes per parameter, visible at small micro batches): the planner's gradient line covers it."""
+      the embedding and final norm keep 4.25 d, the loss what kernels/lm_loss.memory_columns says (the
+        fp32 logits, V, or under model.loss_chunk the gradient of the head's input);
+      the backward adds the loss's peak (the logits' gradient and softmax, 2 V, or one chunk's) or,
+        under recompute, one block recomputed (12.25 d + 4.2 f + 2 d) when that is larger.
+    The parameters and their gradients are left out (the planner counts them apart)."""
     d, f, V, L = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers
     block = 12.25 * d + 4.2 * f
     kept = block if recompute == "none" else 1.8 * d
-    transient = 2 * V if recompute == "none" else max(2 * V, block + 2 * d)
-    return int(4 * batch * seq_len * (V + 4.25 * d + L * kept + transient))
+    loss_kept, loss_peak = memory_columns(V, d, batch * seq_len, cfg.loss_chunk)
+    if recompute == "none":
+        at_peak = loss_kept + loss_peak
+    else:  # the recomputed block comes after the loss's backward, which frees what the loss kept
+        at_peak = max(loss_kept + loss_peak, block + 2 * d)
+    return int(4 * batch * seq_len * (4.25 * d + L * kept + at_peak))
 
 
 def tp_dims(cfg) -> dict[str, int]:

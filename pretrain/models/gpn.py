@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from kernels import captured
 from kernels.delta_memory import memory_read, memory_step
+from kernels.lm_loss import memory_columns
 from parallel.layers import LMHead, ReplicatedLinear, RMSNorm, VocabEmbedding, replicated_parameter
 from parallel.recompute import Recompute
 from pretrain.models.base import EVAL, ModelConfig, check_eos_id, doc_ids_of
@@ -564,11 +565,11 @@ def bptt_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none"
 def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
     """The planner's peak (its registry `activation_bytes`): BPTT's bytes and the tied head's, which keeps
     the fp32 logits and adds their gradient and softmax in the backward (3 V numbers per position),
-    within 15% of tests/test_plan.py's measured peak; under model.loss_chunk, one chunk's (the paper
-    configs': without it, 128 windows of 2,048 would need 94 GiB for the head alone)."""
-    positions = batch * seq_len
-    head = 3 * cfg.vocab_size * (min(cfg.loss_chunk, positions) if cfg.loss_chunk else positions)
-    return bptt_bytes(cfg, seq_len, batch, recompute) + 4 * head
+    within 15% of tests/test_plan.py's measured peak; under model.loss_chunk, one chunk's logits and the
+    gradient of the head's input (kernels/lm_loss's memory_columns; the paper configs chunk: without it, 128
+    windows of 2,048 would need 94 GiB for the head alone)."""
+    kept, peak = memory_columns(cfg.vocab_size, cfg.d_emb, batch * seq_len, cfg.loss_chunk)
+    return bptt_bytes(cfg, seq_len, batch, recompute) + int(4 * batch * seq_len * (kept + peak))
 
 
 def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from kernels.lm_loss import memory_columns
 from kernels.rt_prefill import rt_decode, rt_prefill, schedule
 from parallel.layers import trunc_normal_
 from pretrain.models.blocks import Attend, Attention, Block, BlockOptions, apply_rope, make_norm, mlp
@@ -346,16 +347,19 @@ def activation_bytes(cfg: RTConfig, seq_len: int, batch: int, recompute: str = "
     """Peak activation bytes of one micro batch (fp32), in columns of N = batch x seq_len (fitted to
     tests/test_plan.py's measurements). RT's layer keeps only 1.8 d + 0.125 f through its custom backward,
     which recomputes the layer (a Transformer row's 14.6 d + 2.125 f, with ALiBi's biased attention) when
-    its turn comes; a Transformer row keeps 14.6 d + 2.125 f, or 1.75 d under recompute. The embedding,
-    final norm and head keep V + 5 d; the loss's backward adds 2 V."""
+    its turn comes; a Transformer row keeps 14.6 d + 2.125 f, or 1.75 d under recompute. The embedding
+    and final norm keep 5 d, the loss its kept columns (kernels/lm_loss's memory_columns: the logits, V,
+    unchunked) and adds its peak (2 V unchunked) in the backward; an RT layer's recomputation comes after
+    the loss's backward, which frees both. Parameter gradients are left out."""
     d, f, V, L = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers
     row = 14.6 * d + 2.125 * f
-    if cfg.recurrent:
-        columns = V + 5 * d + L * (1.8 * d + 0.125 * f) + max(2 * V, row)
+    kept, peak = memory_columns(V, d, batch * seq_len, cfg.loss_chunk)
+    if cfg.recurrent:  # the loss's columns are freed before the first layer's backward begins
+        columns = 5 * d + L * (1.8 * d + 0.125 * f) + max(kept + peak, row)
     elif recompute == "none":
-        columns = V + 5 * d + L * row + 2 * V
+        columns = kept + 5 * d + L * row + peak
     else:
-        columns = V + 5 * d + L * 1.75 * d + max(2 * V, row + 2 * d)
+        columns = kept + 5 * d + L * 1.75 * d + max(peak, row + 2 * d)
     return int(4 * batch * seq_len * columns)
 
 

@@ -39,6 +39,7 @@ from data_tools.tokenizer import PREDICT_PIECE
 from kernels.attention import Mask
 from kernels.attention import measured as attention_measured
 from kernels.attention.masks import document_bounds
+from kernels.lm_loss import memory_columns
 from parallel.layers import gather_sequence, local_sequence
 from pretrain.models import decoder
 from pretrain.models.base import continue_doc_ids, tokenizer_ids
@@ -357,14 +358,16 @@ def activation_bytes(cfg: SPSConfig, seq_len: int, batch: int, recompute: str = 
     with every block over the 2T slots: in columns of N = batch x seq_len input tokens, a block keeps
     2 (12.25 d + 4.1 f) + 3.8 d (the masked attention path keeps a little more than flash-style
     attention), or its input (2.8 d) under recompute; the embedding of the slots, the read-out and the
-    head keep V + 5.5 d (6.5 d under recompute); the backward adds 2 V at the loss or, under recompute,
-    the recomputed block's 0.85 of a block when larger. Fitted to tests/test_plan.py's measurements."""
+    head keep 5.5 d (6.5 d under recompute) and the loss's kept columns (the logits, V: kernels/lm_loss's
+    memory_columns); the backward adds the loss's peak (2 V unchunked) or, under recompute, the
+    recomputed block's 0.85 of a block when larger. Fitted to tests/test_plan.py's measurements."""
     d, f, V, L = cfg.d_model, cfg.ffn, cfg.vocab_size, cfg.n_layers
     block = 2 * (12.25 * d + 4.1 * f) + 3.8 * d
+    loss_kept, loss_peak = memory_columns(V, d, batch * seq_len, cfg.loss_chunk)
     if recompute == "none":
-        columns = V + 5.5 * d + L * block + 2 * V
+        columns = loss_kept + 5.5 * d + L * block + loss_peak
     else:
-        columns = V + 6.5 * d + L * 2.8 * d + max(2 * V, 0.85 * block)
+        columns = loss_kept + 6.5 * d + L * 2.8 * d + max(loss_peak, 0.85 * block)
     return int(4 * batch * seq_len * columns)
 
 
