@@ -75,7 +75,7 @@ def _rt_fwd(QS, K, V, M, L, O, SLOPES, sqb, sqh, sqt, skb, skh, skt, svb, svh, s
             sob, soh, sot, H, nq, nk, D, q0, k0,
             HAS_ALIBI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit offsets: b * stride passes 2**31 at B x N x d of 2**31 (e.g. 512 x 2048 x 2048)
     h = bh % H
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     dd = tl.arange(0, BD)
@@ -108,7 +108,7 @@ def _rt_bwd_kv(QS, K, V, G, DL, LSE, SLOPES, DK, DV, sqb, sqh, sqt, skb, skh, sk
     """dk, dv of a block of the tile's keys over all its queries, added into DK, DV (fp32 accumulators of
     strides sab, sah, sat: each key block is one program's, so no atomics)."""
     bh = tl.program_id(1)
-    b = bh // H
+    b = (bh // H).to(tl.int64)  # 64-bit offsets: b * stride passes 2**31 at B x N x d of 2**31 (e.g. 512 x 2048 x 2048)
     h = bh % H
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     dd = tl.arange(0, BD)
