@@ -291,10 +291,11 @@ def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int)
 
 def bf16_activations(model_cfg, fp32_bytes: float, positions: int, kept: float) -> float:
     """A micro batch's activation bytes under bf16 autocast from the registry's fp32 estimate: the loss's logits,
-    their softmax and gradient (3 V fp32 numbers per position read out; under model.loss_chunk one chunk's logits
-    and their gradient, 2 V per chunk position: kernels/lm_loss's memory_columns) stay as they are; the rest keeps `kept` of its bytes (the registry's bf16_kept: not half,
-    since the residual stream, norms' inputs and softmax statistics stay fp32). Halving all of it, as the planner
-    did, put RT's Transformer-12L at 128 x 512 at 65.9 GiB; it ran out of an 80 GB H100."""
+    their softmax and gradient (3 V fp32 numbers per position read out; under model.loss_chunk one chunk's
+    logits and their gradient, 2 V per chunk position: kernels/lm_loss's memory_columns) stay as they are; the
+    rest keeps `kept` of its bytes (the registry's bf16_kept: not half, since the residual stream, norms' inputs
+    and softmax statistics stay fp32). Halving all of it, as the planner did, put RT's Transformer-12L at
+    128 x 512 at 65.9 GiB; it ran out of an 80 GB H100."""
     from kernels.lm_loss import memory_columns
 
     # width 0: under a chunk the loss keeps h's gradient, which is in autocast's dtype like the rest

@@ -31,8 +31,8 @@ def memory_columns(vocab: int, width: int, positions: int, chunk: int = 0) -> tu
     at the loss's own peak). The reference keeps the logits (V) and adds their softmax and gradient (2 V);
     the chunked path (chunk > 0) keeps the gradients of h (d) and of the weight (V x d, spread over the
     positions) and holds one chunk's logits and their gradient at a time (2 V per chunk position, spread
-    likewise). Under megatron-core's vocab-parallel layers (parallel.tp > 1) the reference's figures hold,
-    split by tp, whatever the chunk."""
+    likewise). A chunk is refused under megatron-core's vocab-parallel layers (pretrain/run_config.py),
+    whose loss is the reference's, split by tp."""
     if chunk <= 0:
         return float(vocab), 2.0 * vocab
     return width + vocab * width / positions, 2.0 * vocab * min(chunk, positions) / positions
