@@ -69,6 +69,11 @@ def main(argv=None) -> int:
 
     print(f"{a.config} {' '.join(a.overrides)}: {cfg.model.arch}, T {T}, {'bf16 autocast' if bf16 else 'fp32'}, "
           f"recompute {policy}; parameters and gradients left out")
+    chunk = getattr(cfg.model, "loss_chunk", 0)
+    if chunk and chunk >= batches[0] * T:
+        print(f"note: model.loss_chunk={chunk} is not below the smallest batch's {batches[0] * T} positions: where "
+              "the loss is the peak, that peak stops growing once the batch passes the chunk, and the line carried "
+              f"from these batches is not the config's; add model.loss_chunk={batches[0] * T // 4} to measure the rest")
     print(f"{'micro batch':>11} {'measured GiB':>12} {'planner GiB':>11} {'planner/measured':>16} {'seconds':>8}")
     got = {}
     for B in batches:

@@ -327,3 +327,20 @@ def test_the_planners_micro_batches_in_flight_are_megatrons_warm_up(pp, virtual,
         total, all_warm, warm, _ = get_pp_rank_microbatches(M, virtual, pp, p2p_communicator=p2p)
         expected = total if all_warm else warm + 1
         assert in_flight(pp, rank, M, virtual) * virtual == min(expected, total), (rank, warm, total)
+
+
+def test_activation_peak_prints_each_batch_beside_the_planner_and_notes_a_chunk_the_batches_do_not_pass():
+    """benchmarks/activation_peak.py on RT's tiny config: a row per batch, the carried line, and the note when
+    model.loss_chunk is not below the smallest batch's positions (the loss's peak stops growing there)."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks/activation_peak.py"), "rt/tiny", "--batches", "1,2", "--fp32"]
+    r = subprocess.run([*cmd, "model.loss_chunk=256"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("rt/tiny model.loss_chunk=256: rt, T 128, fp32, recompute none")
+    assert lines[1].startswith("note: model.loss_chunk=256 is not below the smallest batch's 128 positions")
+    rows = [line.split() for line in lines[3:5]]
+    assert [row[0] for row in rows] == ["1", "2"] and all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows)
+    assert lines[5].startswith("per sequence ") and "at the config's micro batch" in lines[5]
