@@ -329,6 +329,7 @@ def test_the_planners_micro_batches_in_flight_are_megatrons_warm_up(pp, virtual,
         assert in_flight(pp, rank, M, virtual) * virtual == min(expected, total), (rank, warm, total)
 
 
+@pytest.mark.slow  # a benchmark's output (13 s); CI stands at its 25-minute mark
 def test_activation_peak_prints_each_batch_beside_the_planner_and_notes_a_chunk_the_batches_do_not_pass():
     """benchmarks/activation_peak.py on RT's tiny config: a row per batch, the carried line, and the note when
     model.loss_chunk is not below the smallest batch's positions (the loss's peak stops growing there)."""
