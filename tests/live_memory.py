@@ -44,16 +44,19 @@ class LiveBytes(TorchDispatchMode):
             self.live -= size
 
 
-def step_peak(model, tokens: torch.Tensor, bf16: bool = False, exclude=()) -> int:
+def step_peak(model, tokens: torch.Tensor, bf16: bool = False) -> int:
     """LiveBytes' peak over one training forward and backward of a registry model on tokens [B, T] (each row
-    one document, the next token its target), under CPU bf16 autocast when `bf16`; `exclude` as LiveBytes'."""
+    one document, the next token its target), under CPU bf16 autocast when `bf16`. The model's parameters and
+    the gradients they already hold are left out (the planner counts them apart; a backward that adds into a
+    gradient makes nothing new)."""
     from pretrain.data.batch import Batch
     from pretrain.models.base import StepContext
 
     B, T = tokens.shape
     batch = Batch(tokens, torch.roll(tokens, -1, 1), torch.ones(B, T, dtype=torch.bool),
                   torch.zeros(B, T, dtype=torch.int32), torch.arange(T).expand(B, T))
-    with LiveBytes(exclude) as live:
+    params = list(model.parameters())
+    with LiveBytes([*params, *(p.grad for p in params if p.grad is not None)]) as live:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(batch, StepContext.for_step(0, 0))[0]
         loss.backward()
