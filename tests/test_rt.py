@@ -491,3 +491,51 @@ def test_tile_products_follow_the_calls_autocast_not_the_keys_dtype():
         cast = run(qs)
     assert cast.dtype == torch.bfloat16
     torch.testing.assert_close(cast, qs.bfloat16() @ k.transpose(-1, -2), rtol=0, atol=0)
+
+
+def _layer_under_bf16_autocast(blk, cast_once: bool, positions_seen: list | None = None):
+    """(z, dx, every parameter's gradient) of one tiled layer under CPU bf16 autocast, its loops reading the
+    linear weights cast once (LayerView.in_loop) or, as autocast alone does, at each use."""
+    from contextlib import nullcontext
+
+    class Seen(LayerView):  # records the dtype of the weights each per-position call reads
+        def in_loop(self, low):
+            return super().in_loop(low) if cast_once else nullcontext()
+
+        def post(self, x, a):
+            if positions_seen is not None and x.shape[1] == 1:
+                positions_seen.append((self.block.ffn.fc1.weight.dtype, self.block.attn.kv.weight.dtype))
+            return super().post(x, a)
+
+    blk.zero_grad(set_to_none=True)
+    x = torch.randn(3, 37, blk.attn.proj.weight.shape[0], generator=torch.Generator().manual_seed(1), requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        z = tiled.prefill(x, Seen(blk, None, 0), 1)
+        (z.float() * torch.linspace(-1, 1, z.numel()).view_as(z)).sum().backward()
+    return [z.detach(), x.grad, *(p.grad for p in blk.parameters())]
+
+
+def test_the_loops_read_the_linear_weights_cast_once_and_give_the_same_bits():
+    """Under autocast each position's pieces read the block's linear weights already in bf16 (compiled, they
+    would cast every weight at every position: inductor keeps no autocast weight cache), and the layer's
+    output and every gradient are bitwise those of autocast casting at each use; outside the loops the block
+    holds its fp32 Parameters again."""
+    blk = model_of(dtype=torch.float32, d_model=32).blocks[0]
+    seen: list = []
+    once = _layer_under_bf16_autocast(blk, True, seen)
+    each = _layer_under_bf16_autocast(blk, False)
+    assert len(seen) == 37 and set(seen) == {(torch.bfloat16, torch.bfloat16)}, set(seen)
+    assert all(torch.equal(a, b) for a, b in zip(once, each, strict=True))
+    assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in blk.parameters())
+
+
+@pytest.mark.slow  # compiles the per-position pieces twice (weights fp32 and bf16): ~20 s on 2 cores
+def test_the_compiled_pieces_reading_weights_cast_once_give_the_same_bits():
+    from pretrain.models.rt import Steps
+
+    blk = model_of(dtype=torch.float32, d_model=32).blocks[0]
+    blk.steps = Steps(compile=True)
+    torch._dynamo.reset()
+    once = _layer_under_bf16_autocast(blk, True)
+    each = _layer_under_bf16_autocast(blk, False)
+    assert all(torch.equal(a, b) for a, b in zip(once, each, strict=True))

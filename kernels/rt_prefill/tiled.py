@@ -35,6 +35,7 @@ entry point takes them as `ops` (TileOps; triton_tile.OPS are the Triton kernels
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -181,24 +182,32 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     K, V = kt.new_empty(kt.shape), vt.new_empty(vt.shape)
     Z = torch.empty_like(x)
     schedule = {t: (k0, k1, q1) for t, k0, k1, q1 in tiles(N, leaf)}
-    for t in range(N):
-        k0, k1 = leaf_keys(t, leaf)
-        if k1 > k0:
-            sl = slice(t, t + 1)
-            update(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
-                        layer.slopes, offset + t, offset + k0)
-            KEYS_MOVED[0] += k1 - k0
-        a = (O[:, :, t:t + 1] / l[:, :, t:t + 1, None]).to(x.dtype)
-        z = layer.post(x[:, t:t + 1], a)
-        Z[:, t:t + 1] = z
-        K[:, :, t:t + 1], V[:, :, t:t + 1] = layer.kv(z, offset + t)
-        if t in schedule:
-            k0, k1, q1 = schedule[t]
-            sl = slice(k1, q1)
-            update(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
-                        layer.slopes, offset + k1, offset + k0)
-            KEYS_MOVED[0] += k1 - k0
+    with _in_loop(layer):
+        for t in range(N):
+            k0, k1 = leaf_keys(t, leaf)
+            if k1 > k0:
+                sl = slice(t, t + 1)
+                update(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
+                       layer.slopes, offset + t, offset + k0)
+                KEYS_MOVED[0] += k1 - k0
+            a = (O[:, :, t:t + 1] / l[:, :, t:t + 1, None]).to(x.dtype)
+            z = layer.post(x[:, t:t + 1], a)
+            Z[:, t:t + 1] = z
+            K[:, :, t:t + 1], V[:, :, t:t + 1] = layer.kv(z, offset + t)
+            if t in schedule:
+                k0, k1, q1 = schedule[t]
+                sl = slice(k1, q1)
+                update(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
+                       layer.slopes, offset + k1, offset + k0)
+                KEYS_MOVED[0] += k1 - k0
     return Z, K, V, m + torch.log(l)
+
+
+def _in_loop(layer):
+    """The layer's context for its per-position calls (`in_loop(dtype)`: RT's casts its linear weights to the
+    running call's autocast dtype once per loop, not once per position), or none."""
+    enter = getattr(layer, "in_loop", None)
+    return enter(_low()) if enter is not None else contextlib.nullcontext()
 
 
 def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int, dk: Tensor, dv: Tensor) -> None:
@@ -347,27 +356,28 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     if prepare is not None and vjp_kv is not None and vjp_post is not None:
         with torch.no_grad():
             prep = prepare(x, A_in, Z, offset)
-    for t in reversed(range(N)):  # phase 1
-        dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
-        at = prep.at(t) if prep is not None else None
-        if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
-            dz = torch.add(vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t, at), gZ[:, t:t + 1], out=gZ_total[:, t:t + 1])
-        else:
-            with torch.enable_grad():
-                zt = Z[:, t:t + 1].detach().requires_grad_()
-                dz = torch.add(torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0], gZ[:, t:t + 1],
-                               out=gZ_total[:, t:t + 1])
-        if vjp_post is not None:
-            g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz, at)
-        else:
-            with torch.enable_grad():
-                at = A_in[:, :, t:t + 1].detach().requires_grad_()
-                g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
-        G[:, :, t:t + 1].copy_(g)  # the cast inside the copy
-        torch.sum(A[:, :, t] * G[:, :, t], -1, out=D[:, :, t])  # written in place: out= saves a copy per position
-        for a0, a1, k0, k1 in _pieces(N, leaf, t):
-            ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1], D[:, :, a0:a1],
-                      lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0, dK[:, :, k0:k1], dV[:, :, k0:k1])
+    with _in_loop(layer):
+        for t in reversed(range(N)):  # phase 1
+            dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
+            at = prep.at(t) if prep is not None else None
+            if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
+                dz = torch.add(vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t, at), gZ[:, t:t + 1], out=gZ_total[:, t:t + 1])
+            else:
+                with torch.enable_grad():
+                    zt = Z[:, t:t + 1].detach().requires_grad_()
+                    dz = torch.add(torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0], gZ[:, t:t + 1],
+                                   out=gZ_total[:, t:t + 1])
+            if vjp_post is not None:
+                g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz, at)
+            else:
+                with torch.enable_grad():
+                    at = A_in[:, :, t:t + 1].detach().requires_grad_()
+                    g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
+            G[:, :, t:t + 1].copy_(g)  # the cast inside the copy
+            torch.sum(A[:, :, t] * G[:, :, t], -1, out=D[:, :, t])  # written in place: out= saves a copy per position
+            for a0, a1, k0, k1 in _pieces(N, leaf, t):
+                ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1], D[:, :, a0:a1],
+                          lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0, dK[:, :, k0:k1], dV[:, :, k0:k1])
     # phase 2: the batched graphs and the queries' gradient, one at a time, each graph and whatever the next
     # step does not read dropped before it: what the loop read and each graph's saved tensors are the layer's
     # backward's peak (at 512 x 512 tokens a layer's MLP graph alone holds ~9 GB). The parameters' gradients

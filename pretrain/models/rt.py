@@ -23,6 +23,7 @@ an exact variant of the schedule), `init` mitchell (the code's) | normal.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
@@ -147,6 +148,20 @@ class LayerView:
 
     def parameters(self):
         return self.block.parameters()
+
+    def in_loop(self, low: torch.dtype | None):
+        """A context for the tiled loops' per-position calls: under autocast (`low`, its dtype) the block's linear
+        weights cast to it once, where the pieces would cast them at every position. Compiled (Steps), they do:
+        inductor traces autocast's casts into the graph and keeps no weight cache, so each position read every
+        fp32 weight of the layer and wrote its bf16 copy (at d 1408 about as many bytes as the position's
+        products at batch 512 read). The loops only read the weights (their gradients come from the batched
+        graphs after), and autocast would cast to the same values: the numbers are unchanged."""
+        if low is None:
+            return contextlib.nullcontext()
+        with torch.no_grad():
+            cast = {f"{name}.{p}": t.to(low) for name, m in self.block.named_modules() if isinstance(m, nn.Linear)
+                    for p, t in m.named_parameters(recurse=False) if t.dtype.is_floating_point and t.dtype != low}
+        return _reparametrize_module(self.block, cast)
 
     def parameters_as(self, leaves: tuple[Tensor, ...]):
         """A context in which the block computes with `leaves` in place of its trainable parameters (in
