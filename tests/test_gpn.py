@@ -606,3 +606,39 @@ def test_evaluation_after_an_optimizer_step_sees_the_new_weights():
         fresh.load_state_dict(m.state_dict())
         torch.testing.assert_close(after, fresh.logits(x), rtol=0, atol=0)
     assert (after - before).abs().max() > 1e-4
+
+
+def test_steps_without_autograd_read_the_loop_matrices_cast_once_and_give_the_same_bits(monkeypatch):
+    """Under autocast a segment's forward (and evaluation) runs its steps on the loop's matrices cast once to
+    bf16 (compiled, a step would cast them at every step: inductor keeps no autocast weight cache); the steps
+    run with autograd (the segment's backward) keep the fp32 matrices, so each step's gradient is summed in
+    fp32. Loss, evaluation loss and every gradient are bitwise those of casting at each use."""
+    from pretrain.models import gpn
+
+    def trained(cast: bool, seen: list | None = None):
+        model = model_of(dtype=torch.float32)
+        SPEC.recompute_policies()["full"].apply(model)
+        step = GPN.iterate
+
+        def iterate(self, state, g, W, probe=None, cut=False):
+            if seen is not None and probe is None:
+                seen.append((torch.is_grad_enabled(), W.first[0].dtype, W.neg_A.dtype))
+            return step(self, state, g, W, probe, cut)
+
+        monkeypatch.setattr(model, "iterate", iterate.__get__(model))
+        if not cast:
+            monkeypatch.setattr(gpn.Folded, "for_steps_without_autograd", lambda self, like: self)
+        batch = batch_of(B=3, T=40)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(batch)[0]
+            loss.backward()
+            with torch.no_grad():
+                evaluated = model(batch)[0]
+        monkeypatch.undo()
+        return [loss.detach(), evaluated, *(p.grad for p in model.parameters())]
+
+    seen: list = []
+    once, each = trained(True, seen), trained(False)
+    assert set(seen) == {(False, torch.bfloat16, torch.float32), (True, torch.float32, torch.float32)}, set(seen)
+    assert len(seen) == 3 * 40  # the forward's segments, their recomputation, the evaluation
+    assert all(torch.equal(a, b) for a, b in zip(once, each, strict=True))

@@ -761,6 +761,20 @@ class Folded:
         flat = [*self.fuse_gate, *self.first, *(t for pair in self.later for t in pair), *self.outs, *self.downs]
         return flat + ([self.neg_A, *self.key] if self.key is not None else [])
 
+    def for_steps_without_autograd(self, like: Tensor) -> "Folded":
+        """This Folded with its fp32 matrices in autocast's dtype on like's device (as is without autocast),
+        cast once for a loop run without autograd (a segment's forward, evaluation). Compiled (train.compile),
+        a step would cast them at every step: inductor traces autocast's casts and keeps no weight cache, so
+        each step read the loop's ~100M fp32 numbers and wrote their bf16 copies (gpn-m-130m): three times the
+        bytes its products read. With autograd the step keeps casting: the cast is where each step's gradient
+        returns to fp32 and is summed in fp32. The decay rate stays fp32 (the memory's own arithmetic)."""
+        kind = like.device.type
+        if kind == "meta" or not torch.is_autocast_enabled(kind):
+            return self
+        low = torch.get_autocast_dtype(kind)
+        return self.with_tensors([t.to(low) if t is not self.neg_A and t.dtype == torch.float32 else t
+                                  for t in self.tensors()])
+
     def skeleton(self) -> "Folded":
         """This Folded without its tensors (None in their places): what with_tensors needs to rebuild one."""
         return self.with_tensors([None] * len(self.tensors()))
@@ -998,6 +1012,8 @@ class GPN(Whole, nn.Module):
         the state is zeroed before the step (a document start under model.reset_at_documents); `cut`: the
         first step holds a truncated BPTT boundary."""
         out = []
+        if not torch.is_grad_enabled():
+            W = W.for_steps_without_autograd(G)
         # time first, one copy: each step's g is then contiguous whatever the segment's length and whether G
         # is a slice of the window or a captured region's buffer, so a compiled step keeps one graph
         Gt = G.transpose(0, 1).contiguous()

@@ -2128,7 +2128,7 @@ class LayerView:
             return contextlib.nullcontext()
         with torch.no_grad():
             cast = {f"{name}.{p}": t.to(low) for name, m in self.block.named_modules() if isinstance(m, nn.Linear)
-                    for p, t in m.named_parameters(recurse=False) if t.dtype.is_floating_point and t.dtype != low}
+                    for p, t in m.named_parameters(recurse=False) if t.dtype == torch.float32}
         return _reparametrize_module(self.block, cast)
 
     def parameters_as(self, leaves: tuple[Tensor, ...]):
