@@ -153,9 +153,9 @@ class LayerView:
         """A context for the tiled loops' per-position calls: under autocast (`low`, its dtype) the block's linear
         weights cast to it once, where the pieces would cast them at every position. Compiled (Steps), they do:
         inductor traces autocast's casts into the graph and keeps no weight cache, so each position read every
-        fp32 weight of the layer and wrote its bf16 copy (at d 1408 about as many bytes as the position's
-        products at batch 512 read). The loops only read the weights (their gradients come from the batched
-        graphs after), and autocast would cast to the same values: the numbers are unchanged."""
+        fp32 weight of the layer and wrote its bf16 copy, three times the bytes the position's products read.
+        The loops only read the weights (their gradients come from the batched graphs after), and autocast
+        would cast to the same values: the numbers are unchanged."""
         if low is None:
             return contextlib.nullcontext()
         with torch.no_grad():
