@@ -775,7 +775,7 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     K, V = kt.new_empty(kt.shape), vt.new_empty(vt.shape)
     Z = torch.empty_like(x)
     schedule = {t: (k0, k1, q1) for t, k0, k1, q1 in tiles(N, leaf)}
-    with _in_loop(layer):
+    with _in_loop(layer, N):
         for t in range(N):
             k0, k1 = leaf_keys(t, leaf)
             if k1 > k0:
@@ -796,11 +796,12 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     return Z, K, V, m + torch.log(l)
 
 
-def _in_loop(layer):
-    """The layer's context for its per-position calls (`in_loop(dtype)`: RT's casts its linear weights to the
-    running call's autocast dtype once per loop, not once per position), or none."""
+def _in_loop(layer, n: int):
+    """The layer's context for its n per-position calls (`in_loop(dtype)`: RT's casts its linear weights to the
+    running call's autocast dtype once per loop, not once per position), or none: for one position (a decode
+    step) a cast per loop is no fewer, and eager autocast's own cache may outlive the call."""
     enter = getattr(layer, "in_loop", None)
-    return enter(_low()) if enter is not None else contextlib.nullcontext()
+    return enter(_low()) if enter is not None and n > 1 else contextlib.nullcontext()
 
 
 def tile_grads(qs, k, v, g, D, lse, slopes, q0: int, k0: int, dk: Tensor, dv: Tensor) -> None:
@@ -950,7 +951,7 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     if prepare is not None and vjp_kv is not None and vjp_post is not None:
         with torch.no_grad():
             prep = prepare(x, A_in, Z, offset)
-    with _in_loop(layer):
+    with _in_loop(layer, N):
         for t in reversed(range(N)):  # phase 1
             dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
             at = prep.at(t) if prep is not None else None
