@@ -17,7 +17,9 @@ and values. Only that is sequential: the queries' gradient waits for the loop's 
 positions at once, like A.
 A layer may provide its own input gradients of kv and post (vjp_kv, vjp_post: cheaper than an autograd
 graph per position), and vjp_prepare, what they read of the forward computed for all positions before the
-loop; autograd is used otherwise. Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
+loop; autograd is used otherwise. A layer may also give a context for its per-position calls, `in_loop(dtype)`
+(RT's: its linear weights cast to the autocast dtype once per loop, which compiled pieces would cast at every
+position). Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
 kv() and post() for the input and parameter gradients.
 
 Both the forward and the backward are functions of tensors, run through kernels/captured.py: in a
