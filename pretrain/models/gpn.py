@@ -216,10 +216,9 @@ class Folded:
         each step read the loop's ~100M fp32 numbers and wrote their bf16 copies (gpn-m-130m): three times the
         bytes its products read. With autograd the step keeps casting: the cast is where each step's gradient
         returns to fp32 and is summed in fp32. The decay rate stays fp32 (the memory's own arithmetic)."""
-        kind = like.device.type
-        if kind == "meta" or not torch.is_autocast_enabled(kind):
+        on, low = captured.autocast_state(like.device)  # off on meta (a dry run)
+        if not on:
             return self
-        low = torch.get_autocast_dtype(kind)
         return self.with_tensors([t.to(low) if t is not self.neg_A and t.dtype == torch.float32 else t
                                   for t in self.tensors()])
 
