@@ -145,6 +145,18 @@ def _unit(x: Tensor) -> Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
 
 
+def _product(taps: dict[str, Tensor] | None, kept: dict[str, Tensor], name: str, x: Tensor, *Wb: Tensor) -> Tensor:
+    """F.linear(x, *Wb): one of a step's matrix products, `name` its place in Folded.products(). Tapped (a
+    segment's backward, _Segment): x is kept under the name and the zero taps[name] added to the output, so
+    the gradient of taps[name] is the output's; the segment forms the matrix's gradient over all its steps
+    in one product instead of one per step."""
+    if taps is None or name not in taps:
+        return F.linear(x, *Wb)
+    x = x.to(Wb[0].dtype)  # what autocast multiplies (the matrices cast once: Folded.cast_for_loop)
+    kept[name] = x
+    return F.linear(x, *Wb) + taps[name]
+
+
 class Gate(nn.Module):
     """sigmoid(rms(x) W + b), W a full d x d matrix, zero at init (the gate starts at 0.5)."""
 
@@ -209,18 +221,31 @@ class Folded:
         flat = [*self.fuse_gate, *self.first, *(t for pair in self.later for t in pair), *self.outs, *self.downs]
         return flat + ([self.neg_A, *self.key] if self.key is not None else [])
 
-    def for_steps_without_autograd(self, like: Tensor) -> "Folded":
+    def cast_for_loop(self, like: Tensor) -> "Folded":
         """This Folded with its fp32 matrices in autocast's dtype on like's device (as is without autocast),
-        cast once for a loop run without autograd (a segment's forward, evaluation). Compiled (train.compile),
-        a step would cast them at every step: inductor traces autocast's casts and keeps no weight cache, so
-        each step read the loop's ~100M fp32 numbers and wrote their bf16 copies (gpn-m-130m): three times the
-        bytes its products read. With autograd the step keeps casting: the cast is where each step's gradient
-        returns to fp32 and is summed in fp32. The decay rate stays fp32 (the memory's own arithmetic)."""
+        cast once for a loop whose steps take no gradient of them (a segment's forward, evaluation, and a
+        segment's backward, which forms their gradients itself: _Segment). Compiled (train.compile), a step
+        would cast them at every step: inductor traces autocast's casts and keeps no weight cache, so each
+        step read the loop's ~100M fp32 numbers and wrote their bf16 copies (gpn-m-130m): three times the
+        bytes its products read. The decay rate stays fp32 (the memory's own arithmetic)."""
         on, low = captured.autocast_state(like.device)  # off on meta (a dry run)
         if not on:
             return self
         return self.with_tensors([t.to(low) if t is not self.neg_A and t.dtype == torch.float32 else t
                                   for t in self.tensors()])
+
+    def products(self) -> dict[str, tuple[int, int | None]]:
+        """Each matrix product of a step, by the name iterate gives it: where its matrix and its bias (None:
+        none) are in tensors()."""
+        n_later, n_outs, n_downs = len(self.later), len(self.outs), len(self.downs)
+        at = {"fuse_gate": (0, 1), "first": (2, 3)}
+        at.update({f"later{i}": (2 + 2 * i, 3 + 2 * i) for i in range(1, n_later + 1)})
+        at.update({f"out{i}": (4 + 2 * n_later + i, None) for i in range(n_outs)})
+        at.update({f"down{i}": (4 + 2 * n_later + n_outs + i, None) for i in range(n_downs)})
+        if self.key is not None:
+            base = 4 + 2 * n_later + n_outs + n_downs  # neg_A, then the key's pair
+            at["key"] = (base + 1, base + 2)
+        return at
 
     def skeleton(self) -> "Folded":
         """This Folded without its tensors (None in their places): what with_tensors needs to rebuild one."""
@@ -241,7 +266,8 @@ class _Segment(torch.autograd.Function):
     segment's inputs: its start state, its slice of G and the loop's matrices, which live anyway); the
     backward runs the segment again with a graph and differentiates it. One node per segment, not one
     per op and step: memory O(T/S + S) in the window (torch's non-reentrant checkpoint keeps a holder
-    per saved tensor of every step, O(T) however small, measured at about 50 KB per token).
+    per saved tensor of every step, O(T) however small, measured at about 50 KB per token). The backward
+    forms the loop matrices' gradients itself, one product per matrix over the segment's steps (_product).
     Both bodies are functions of tensors run through kernels/captured.py: in a training step on a GPU
     under train.cuda_graphs, one CUDA graph per body serves every segment of the window (the shorter last
     segment, a truncation cut and a window with document resets get their own), replayed with the
@@ -258,7 +284,7 @@ class _Segment(torch.autograd.Function):
             # (train.compile) serves both with one graph (dynamo's guards tell the two apart otherwise)
             state, G, flat, keep_ = _split([x.detach() for x in xs], n_state, n_inputs, has_keep)
             with torch.no_grad():
-                sp, state = model._run(state, G, shape.with_tensors(flat), keep_, cut)
+                sp, state, _ = model._run(state, G, shape.with_tensors(flat), keep_, cut)
             return sp, *state
 
         outs = captured.region(("gpn segment forward", id(model), n_state, cut), run, _with_keep(inputs, keep))
@@ -277,18 +303,36 @@ class _Segment(torch.autograd.Function):
         def run(*xs):
             state, G, flat, keep_ = _split(xs, n, n_saved, has_keep)
             gs = iter(xs[n_saved:n_saved + sum(given)])
+            # the products whose matrix (or bias) needs its gradient are tapped (_product), and that gradient
+            # formed once for the segment, sum_t dY_t^T X_t as one product over its steps: per step it would be
+            # a product of a step's batch (rows 128 at gpn-m-130m) writing all of the loop's ~100M numbers and
+            # adding them to the sum, memory-bound. The steps then read the matrices cast once, as the forward.
+            taken = {name: at for name, at in shape.products().items() if any(i is not None and need[n + 1 + i]
+                                                                              for i in at)}
+            formed = {n + 1 + i for at in taken.values() for i in at if i is not None}
             # the state differentiated whether or not its gradient is wanted (the window's first segment's
             # is not), so a compiled step (train.compile) serves every segment with one graph
-            inputs = [t.detach().requires_grad_(wants or i < n) for i, (t, wants) in enumerate(zip([*state, G, *flat],
-                                                                                                   need))]
+            inputs = [t.detach().requires_grad_((wants and i not in formed) or i < n)
+                      for i, (t, wants) in enumerate(zip([*state, G, *flat], need))]
+            W = shape.with_tensors(inputs[n + 1:]).cast_for_loop(G)
+            low = W.tensors()
+            taps = {name: G.new_zeros(G.shape[1], G.shape[0], low[w].shape[0], dtype=low[w].dtype).requires_grad_()
+                    for name, (w, _) in taken.items()}
             with torch.enable_grad():
-                sp, out = model._run(inputs[:n], inputs[n], shape.with_tensors(inputs[n + 1:]), keep_, cut)
+                sp, out, kept = model._run(inputs[:n], inputs[n], W, keep_, cut, taps)
             pairs = [(o, next(gs)) for o, has in zip([sp, *out], given) if has]
             pairs = [(o, g) for o, g in pairs if o.requires_grad]
-            wanted = [t for t in inputs if t.requires_grad]
-            got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+            wanted = [t for t in inputs if t.requires_grad] + list(taps.values())
+            got = list(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
                        if pairs and wanted else [None] * len(wanted))
+            dY = dict(zip(taps, got[len(got) - len(taps):]))
+            got = iter(got[:len(got) - len(taps)])
             computed = [next(got) if t.requires_grad else None for t in inputs]
+            for name, (w, b) in taken.items():
+                d = (dY[name] if dY[name] is not None else taps[name].detach()).flatten(0, 1)
+                computed[n + 1 + w] = (d.t() @ kept[name].flatten(0, 1)).to(flat[w].dtype)
+                if b is not None:
+                    computed[n + 1 + b] = d.sum(0, dtype=flat[b].dtype)
             return [g if wants else None for g, wants in zip(computed, need)]  # the start state's when wanted
 
         with captured.autocast_as(saved[n].device, ctx.autocast):
@@ -395,21 +439,21 @@ class GPN(Whole, nn.Module):
         """A predict sub-layer's memory query [B, H, d_k] from its projection."""
         return _unit(F.relu(zq).unflatten(-1, (self.cfg.mem_heads, self.cfg.d_key)))
 
-    def _predict(self, i: int, s: Tensor, z: list[Tensor], M: Tensor | None, W: Folded, probe: dict | None,
+    def _predict(self, i: int, s: Tensor, z: list[Tensor], M: Tensor | None, W: Folded, probe: dict | None, mm,
                  o: Tensor | None = None) -> Tensor:
-        """Predict sub-layer i from its projections z = [a | b, gate, (q, rg)] of s; `o`: its memory read when
-        already made (the first sub-layer's, fused with the write)."""
+        """Predict sub-layer i from its projections z = [a | b, gate, (q, rg)] of s; mm: the step's products
+        (_product); `o`: its memory read when already made (the first sub-layer's, fused with the write)."""
         cfg = self.cfg
         F_ = cfg.d_ffn
         ab, pg = z[0], z[1]
-        ffn = F.linear(F.silu(ab[..., :F_]) * ab[..., F_:], W.downs[i])
+        ffn = mm(f"down{i}", F.silu(ab[..., :F_]) * ab[..., F_:], W.downs[i])
         out = torch.addcmul(ffn, torch.sigmoid(pg), s)  # Gate_p(s) * s + FFN(s)
         if M is not None:
             if o is None:
                 with _state_precision(M):
                     o = memory_read(M, self._query(z[2]).to(M.dtype))
             o = o.flatten(-2)
-            mem = F.linear(F.silu(z[3]) * _hat(o, cfg.norm_eps).to(z[3].dtype), W.outs[i])
+            mem = mm(f"out{i}", F.silu(z[3]) * _hat(o, cfg.norm_eps).to(z[3].dtype), W.outs[i])
             if probe is not None:
                 probe["mem_effect"].append((mem.norm(dim=-1) / out.norm(dim=-1).clamp(min=1e-12)).mean())
                 probe["mem_cos"].append(F.cosine_similarity(out, out + mem, dim=-1).mean())
@@ -419,21 +463,25 @@ class GPN(Whole, nn.Module):
         return out
 
     def iterate(self, state: list[Tensor], g: Tensor, W: Folded, probe: dict | None = None,
-                cut: bool = False) -> list[Tensor]:
-        """One token: ground g (its hoisted fuse projection) into the state, write, predict. `cut`: a truncated
-        BPTT boundary (spec A10) after the ground, where the carried state (s^g, the previous s^g, M) is detached."""
+                cut: bool = False, taps: dict[str, Tensor] | None = None):
+        """One token: ground g (its hoisted fuse projection) into the state, write, predict; the new state.
+        `cut`: a truncated BPTT boundary (spec A10) after the ground, where the carried state (s^g, the previous
+        s^g, M) is detached. `taps`: the products' zero taps (_product); then (the new state, the products'
+        inputs by name)."""
         cfg, eps = self.cfg, self.cfg.norm_eps
+        kept: dict[str, Tensor] = {}
+        mm = lambda name, x, *Wb: _product(taps, kept, name, x, *Wb)  # noqa: E731
         hg_prev, M, sp = state  # hg_prev: the previous s^g / rms (the key's source, normalised once)
-        fg = torch.sigmoid(F.linear(_hat(sp, eps), *W.fuse_gate))
+        fg = torch.sigmoid(mm("fuse_gate", _hat(sp, eps), *W.fuse_gate))
         sg = torch.addcmul(g, fg, sp)  # ground: Gate_f(s^p) * s^p + G_t
         if cut:
             sg, hg_prev, M = sg.detach(), hg_prev.detach(), M.detach()
         hg = _hat(sg, eps)
-        z = F.linear(hg, *W.first).split(W.sizes_first, -1)
+        z = mm("first", hg, *W.first).split(W.sizes_first, -1)
         if self.write is not None:
             H, dk = cfg.mem_heads, cfg.d_key
             v, beta, a = z[4], z[5], z[6]  # a: W_a u + dt_bias (folded)
-            k = _unit(F.relu(F.linear(hg_prev, *W.key)).unflatten(-1, (H, dk)))
+            k = _unit(F.relu(mm("key", hg_prev, *W.key)).unflatten(-1, (H, dk)))
             q = self._query(z[2])  # the first predict sub-layer's read follows the write at once
             with _state_precision(M):  # the memory in the state's precision (fp32) under bf16 autocast
                 alpha = torch.exp(W.neg_A * F.softplus(a.to(M.dtype)))
@@ -443,33 +491,41 @@ class GPN(Whole, nn.Module):
                 probe["alpha"].append(alpha.mean())
                 probe["mem_norm"].append(M.flatten(1).norm(dim=-1).mean())
             hg_prev = hg  # the next write's key source
-        s = self._predict(0, sg, list(z[:4]), M if self.write is not None else None, W, probe,
+        s = self._predict(0, sg, list(z[:4]), M if self.write is not None else None, W, probe, mm,
                           o if self.write is not None else None)
         for i, Wl in enumerate(W.later, 1):
-            zl = F.linear(_hat(s, eps), *Wl).split(W.sizes_later, -1)
-            s = self._predict(i, s, list(zl), M, W, probe)
+            zl = mm(f"later{i}", _hat(s, eps), *Wl).split(W.sizes_later, -1)
+            s = self._predict(i, s, list(zl), M, W, probe, mm)
         if probe is not None:
             probe["fuse_gate"].append(fg.mean())
-        return [hg_prev, M, s.to(sp.dtype)]
+        new = [hg_prev, M, s.to(sp.dtype)]
+        return new if taps is None else (new, kept)
 
     # -- the window ----------------------------------------------------------------------------------
-    def _run(self, state: list[Tensor], G: Tensor, W: Folded, keep: Tensor | None,
-             cut: bool = False) -> tuple[Tensor, list[Tensor]]:
-        """Steps over G [B, n, d] from `state`: every s^p [B, n, d] and the last state. keep [B, n]: 0 where
-        the state is zeroed before the step (a document start under model.reset_at_documents); `cut`: the
-        first step holds a truncated BPTT boundary."""
-        out = []
+    def _run(self, state: list[Tensor], G: Tensor, W: Folded, keep: Tensor | None, cut: bool = False,
+             taps: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor], dict[str, Tensor] | None]:
+        """Steps over G [B, n, d] from `state`: every s^p [B, n, d], the last state and, with `taps` (name:
+        [n, B, width], _product's per step), the tapped products' inputs by name, [n, B, width in]. keep [B,
+        n]: 0 where the state is zeroed before the step (a document start under model.reset_at_documents);
+        `cut`: the first step holds a truncated BPTT boundary."""
+        out, kept = [], []
         if not torch.is_grad_enabled():
-            W = W.for_steps_without_autograd(G)
+            W = W.cast_for_loop(G)
         # time first, one copy: each step's g is then contiguous whatever the segment's length and whether G
         # is a slice of the window or a captured region's buffer, so a compiled step keeps one graph
         Gt = G.transpose(0, 1).contiguous()
         for t in range(G.shape[1]):
             if keep is not None:
                 state = _kept(state, keep[:, t])
-            state = self.iterate(state, Gt[t], W, cut=cut and t == 0)
+            if taps is None:
+                state = self.iterate(state, Gt[t], W, cut=cut and t == 0)
+            else:
+                state, inputs = self.iterate(state, Gt[t], W, cut=cut and t == 0,
+                                             taps={k: v[t] for k, v in taps.items()})
+                kept.append(inputs)
             out.append(state[2])
-        return torch.stack(out, 1), state
+        inputs = {k: torch.stack([x[k] for x in kept]) for k in taps} if taps is not None else None
+        return torch.stack(out, 1), state, inputs
 
     def states(self, tokens: Tensor, doc_ids: Tensor | None = None, state: list[Tensor] | None = None,
                probe: dict | None = None) -> tuple[Tensor, list[Tensor]]:
@@ -498,7 +554,7 @@ class GPN(Whole, nn.Module):
             if self.segment_recompute and torch.is_grad_enabled():
                 sp, *state = _Segment.apply(self, W, len(state), seg_keep, s in cuts, *state, G[:, s:e], *W.tensors())
             else:
-                sp, state = self._run(state, G[:, s:e], W, seg_keep, s in cuts)
+                sp, state, _ = self._run(state, G[:, s:e], W, seg_keep, s in cuts)
             out.append(sp)
         return torch.cat(out, 1), state
 
