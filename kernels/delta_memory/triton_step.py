@@ -14,9 +14,10 @@ the whole key dimension. The backward, from G = dL/dN and g = dL/do:
     dq = N g                 du = G'^T k        dbeta = <r, du>      dv = beta du   (= dr)
     dalpha = <M, G'>         dk = G' u - M dr   dM = alpha G' - k dr^T
 
-dM and dv are column-local again, but dq, dk, dalpha and dbeta sum over every column, so one program
-per (sample, head) loops over the column blocks and keeps those sums in registers (deterministic: no
-atomics). It recomputes e, u and N from the inputs, so autograd saves only the step's inputs.
+dM and dv are column-local again, but dq, dk, dalpha and dbeta sum over every column: each program
+(one block of columns of one (sample, head), as in the forward) writes its block's partial sums, and
+one reduction over the blocks follows (deterministic: no atomics). It recomputes e, u and N from the
+inputs, so autograd saves only the step's inputs.
 
 All products are matrix-vector: elementwise products and tl.sum reductions in fp32 (no tl.dot, so no
 minimum block size and no TF32), so the kernels agree with reference.step to fp32 rounding. Inputs of
@@ -36,7 +37,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-TILE = 8192  # elements of one [BK, BV] block held per program: BV shrinks as d_k grows (d_k = 128: BV = 64)
+# elements of one [BK, BV] block held per program: BV shrinks as d_k grows. The backward holds several
+# such tiles live (M, dN, N and their products), so it takes blocks half as wide (_blocks)
+TILE = 8192  # the forward's (d_k = 128: BV = 64)
+TILE_BACKWARD = 2048  # (d_k = 128: BV = 16)
 
 
 @triton.jit
@@ -75,7 +79,7 @@ def _step_fwd(M, K, V, BETA, ALPHA, Q, MT, O,
 
 
 @triton.jit
-def _step_bwd(M, K, V, BETA, ALPHA, Q, GM, GO, DM, DK_, DV_, DBETA, DALPHA, DQ,
+def _step_bwd(M, K, V, BETA, ALPHA, Q, GM, GO, DM, DV_, PART,
               smb, smh, smk, smv, skb, skh, skk, svb, svh, svv, sbb, sbh, sab, sah, sqb, sqh, sqk,
               sgb, sgh, sgk, sgv, sob, soh, sov,
               H, DK, DV, BK: tl.constexpr, BV: tl.constexpr):
@@ -83,48 +87,65 @@ def _step_bwd(M, K, V, BETA, ALPHA, Q, GM, GO, DM, DK_, DV_, DBETA, DALPHA, DQ,
     b = bh // H
     h = bh % H
     rows = tl.arange(0, BK)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
     r_ok = rows < DK
+    c_ok = cols < DV
+    ok = r_ok[:, None] & c_ok[None, :]
     k = _vec(K, b * skb + h * skh, rows, skk, r_ok)
     q = _vec(Q, b * sqb + h * sqh, rows, sqk, r_ok)
     beta = tl.load(BETA + b * sbb + h * sbh).to(tl.float32)
     alpha = tl.load(ALPHA + b * sab + h * sah).to(tl.float32)
+    m = _mat(M, b * smb + h * smh, rows, cols, smk, smv, ok)
+    g = _mat(GM, b * sgb + h * sgh, rows, cols, sgk, sgv, ok)
+    go = _vec(GO, b * sob + h * soh, cols, sov, c_ok)
+    v = _vec(V, b * svb + h * svh, cols, svv, c_ok)
+    r = v - tl.sum(m * k[:, None], 0)  # recomputed forward: r = v - M^T k, u = beta r, N
+    u = beta * r
+    n = alpha * m + k[:, None] * u[None, :]
+    g = g + q[:, None] * go[None, :]  # G' = dN + q do^T
+    du = tl.sum(g * k[:, None], 0)
+    dr = beta * du
+    tl.store(DM + bh * DK * DV + rows[:, None] * DV + cols[None, :],
+             (alpha * g - k[:, None] * dr[None, :]).to(DM.dtype.element_ty), mask=ok)
+    tl.store(DV_ + bh * DV + cols, dr.to(DV_.dtype.element_ty), mask=c_ok)
+    # this block's shares of the sums over columns: [dq (BK), dk (BK), dalpha, dbeta], fp32 (_sum_blocks)
+    part = PART + (bh * tl.num_programs(1) + tl.program_id(1)) * (2 * BK + 2)
+    tl.store(part + rows, tl.sum(n * go[None, :], 1))
+    tl.store(part + BK + rows, tl.sum(g * u[None, :] - m * dr[None, :], 1))
+    tl.store(part + 2 * BK, tl.sum(tl.sum(m * g, 0), 0))
+    tl.store(part + 2 * BK + 1, tl.sum(r * du, 0))
+
+
+@triton.jit
+def _sum_blocks(PART, DQ, DK_, DALPHA, DBETA, NB, DK, BK: tl.constexpr):
+    """The backward's sums over columns from its blocks' shares, in block order, one program per (sample, head)."""
+    bh = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, BK)
+    two = tl.arange(0, 2)
     dq = tl.zeros((BK,), tl.float32)
     dk = tl.zeros((BK,), tl.float32)
-    dalpha = tl.zeros((BV,), tl.float32)  # per-column partial sums, reduced once after the loop
-    dbeta = tl.zeros((BV,), tl.float32)
-    for start in range(0, DV, BV):
-        cols = start + tl.arange(0, BV)
-        c_ok = cols < DV
-        ok = r_ok[:, None] & c_ok[None, :]
-        m = _mat(M, b * smb + h * smh, rows, cols, smk, smv, ok)
-        g = _mat(GM, b * sgb + h * sgh, rows, cols, sgk, sgv, ok)
-        go = _vec(GO, b * sob + h * soh, cols, sov, c_ok)
-        v = _vec(V, b * svb + h * svh, cols, svv, c_ok)
-        r = v - tl.sum(m * k[:, None], 0)  # recomputed forward: r = v - M^T k, u = beta r, N
-        u = beta * r
-        n = alpha * m + k[:, None] * u[None, :]
-        g = g + q[:, None] * go[None, :]  # G' = dN + q do^T
-        du = tl.sum(g * k[:, None], 0)
-        dr = beta * du
-        dq += tl.sum(n * go[None, :], 1)
-        dk += tl.sum(g * u[None, :] - m * dr[None, :], 1)
-        dalpha += tl.sum(m * g, 0)
-        dbeta += r * du
-        tl.store(DM + bh * DK * DV + rows[:, None] * DV + cols[None, :],
-                 (alpha * g - k[:, None] * dr[None, :]).to(DM.dtype.element_ty), mask=ok)
-        tl.store(DV_ + bh * DV + cols, dr.to(DV_.dtype.element_ty), mask=c_ok)
-    tl.store(DK_ + bh * DK + rows, dk.to(DK_.dtype.element_ty), mask=r_ok)
+    scalars = tl.zeros((2,), tl.float32)  # dalpha, dbeta
+    for i in range(0, NB):
+        part = PART + (bh * NB + i) * (2 * BK + 2)
+        dq += tl.load(part + rows)
+        dk += tl.load(part + BK + rows)
+        scalars += tl.load(part + 2 * BK + two)
+    r_ok = rows < DK
     tl.store(DQ + bh * DK + rows, dq.to(DQ.dtype.element_ty), mask=r_ok)
-    tl.store(DBETA + bh, tl.sum(dbeta, 0).to(DBETA.dtype.element_ty))
-    tl.store(DALPHA + bh, tl.sum(dalpha, 0).to(DALPHA.dtype.element_ty))
+    tl.store(DK_ + bh * DK + rows, dk.to(DK_.dtype.element_ty), mask=r_ok)
+    tl.store(DALPHA + bh, tl.sum(tl.where(two == 0, scalars, 0.0), 0).to(DALPHA.dtype.element_ty))
+    tl.store(DBETA + bh, tl.sum(tl.where(two == 1, scalars, 0.0), 0).to(DBETA.dtype.element_ty))
 
 
-def _blocks(dk: int, dv: int) -> tuple[int, int, int]:
-    """(BK, BV, warps): a whole key column by BV columns; 8 warps for the largest blocks, whose several live
-    [BK, BV] fp32 tiles (M, dN, N in the backward) spill at 4: compiled for sm_90 (kernels/cuda_build.py),
-    GPN+M's 128 x 64 backward spills 336 bytes a thread with 4 warps, none with 8. Not yet timed on a GPU."""
+def _blocks(dk: int, dv: int, tile: int = TILE) -> tuple[int, int, int]:
+    """(BK, BV, warps): a whole key column by BV columns, at most `tile` elements unless one column is more;
+    8 warps for the largest blocks. Compiled for sm_90 (python -m kernels.cuda_build --op delta_memory), GPN+M's
+    d_k 128 x d_v 256 in fp32: the forward's 128 x 64 blocks take 80 registers, 3 blocks an SM; the backward's
+    128 x 16 blocks 90 registers, 5 blocks (20 warps) an SM, no spills. (The backward had run one program per
+    (sample, head) over all its column blocks in turn, 128 x 64 at a time: 223 registers, one block of 8
+    warps an SM, and 1,920 programs at micro batch 128 where there are now 30,720.) Not yet timed on a GPU."""
     BK = triton.next_power_of_2(max(dk, 1))
-    BV = max(1, min(triton.next_power_of_2(max(dv, 1)), TILE // BK))
+    BV = max(1, min(triton.next_power_of_2(max(dv, 1)), tile // BK))
     return BK, BV, 8 if BK * BV >= 4096 else 4
 
 
@@ -191,9 +212,13 @@ def delta_memory_step_backward(dMt: Tensor, do: Tensor, M: Tensor, k: Tensor, v:
     grads = _backward_outputs(M, k, v, beta, alpha, q)
     if M.numel() == 0:
         return tuple(g.zero_() for g in grads)
-    BK, BV, warps = _blocks(dk, dv)
-    _step_bwd[(B * H,)](M, k, v, beta, alpha, q, dMt, do, *grads,
-                        *_strides(M, k, v, beta, alpha, q, dMt, do), H, dk, dv, BK=BK, BV=BV, num_warps=warps)
+    dM, dk_, dv_, dbeta, dalpha, dq = grads
+    BK, BV, warps = _blocks(dk, dv, TILE_BACKWARD)
+    blocks = triton.cdiv(dv, BV)
+    part = torch.empty(B * H, blocks, 2 * BK + 2, device=M.device, dtype=torch.float32)
+    _step_bwd[(B * H, blocks)](M, k, v, beta, alpha, q, dMt, do, dM, dv_, part,
+                               *_strides(M, k, v, beta, alpha, q, dMt, do), H, dk, dv, BK=BK, BV=BV, num_warps=warps)
+    _sum_blocks[(B * H,)](part, dq, dk_, dalpha, dbeta, blocks, dk, BK=BK, num_warps=4)
     return grads
 
 
