@@ -316,8 +316,12 @@ class _Segment(torch.autograd.Function):
                       for i, (t, wants) in enumerate(zip([*state, G, *flat], need))]
             W = shape.with_tensors(inputs[n + 1:]).cast_for_loop(G)
             low = W.tensors()
-            taps = {name: G.new_zeros(G.shape[1], G.shape[0], low[w].shape[0], dtype=low[w].dtype).requires_grad_()
-                    for name, (w, _) in taken.items()}
+            # one zero broadcast (nothing allocated) per product; _run hands each step its slice through one unbind,
+            # whose backward stacks the steps' gradients once (a slice per step would add a whole [n, B, width]
+            # of zeros per step in the backward)
+            n_steps, B = G.shape[1], G.shape[0]
+            taps = {name: torch.zeros((), device=G.device, dtype=low[w].dtype).expand(n_steps, B, low[w].shape[0])
+                    .requires_grad_() for name, (w, _) in taken.items()}
             with torch.enable_grad():
                 sp, out, kept = model._run(inputs[:n], inputs[n], W, keep_, cut, taps)
             pairs = [(o, next(gs)) for o, has in zip([sp, *out], given) if has]
@@ -505,7 +509,7 @@ class GPN(Whole, nn.Module):
     def _run(self, state: list[Tensor], G: Tensor, W: Folded, keep: Tensor | None, cut: bool = False,
              taps: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor], dict[str, Tensor] | None]:
         """Steps over G [B, n, d] from `state`: every s^p [B, n, d], the last state and, with `taps` (name:
-        [n, B, width], _product's per step), the tapped products' inputs by name, [n, B, width in]. keep [B,
+        [n, B, width out], _product's for each step), the tapped products' inputs by name, [n, B, width in]. keep [B,
         n]: 0 where the state is zeroed before the step (a document start under model.reset_at_documents);
         `cut`: the first step holds a truncated BPTT boundary."""
         out, kept = [], []
@@ -514,6 +518,7 @@ class GPN(Whole, nn.Module):
         # time first, one copy: each step's g is then contiguous whatever the segment's length and whether G
         # is a slice of the window or a captured region's buffer, so a compiled step keeps one graph
         Gt = G.transpose(0, 1).contiguous()
+        steps = {k: v.unbind(0) for k, v in taps.items()} if taps is not None else None
         for t in range(G.shape[1]):
             if keep is not None:
                 state = _kept(state, keep[:, t])
@@ -521,7 +526,7 @@ class GPN(Whole, nn.Module):
                 state = self.iterate(state, Gt[t], W, cut=cut and t == 0)
             else:
                 state, inputs = self.iterate(state, Gt[t], W, cut=cut and t == 0,
-                                             taps={k: v[t] for k, v in taps.items()})
+                                             taps={k: v[t] for k, v in steps.items()})
                 kept.append(inputs)
             out.append(state[2])
         inputs = {k: torch.stack([x[k] for x in kept]) for k in taps} if taps is not None else None
