@@ -1068,8 +1068,9 @@ class GPN(Whole, nn.Module):
         if not torch.is_grad_enabled():
             W = W.cast_for_loop(G)
         # time first, one copy: each step's g is then contiguous whatever the segment's length and whether G
-        # is a slice of the window or a captured region's buffer, so a compiled step keeps one graph
-        Gt = G.transpose(0, 1).contiguous()
+        # is a slice of the window or a captured region's buffer, so a compiled step keeps one graph; one unbind,
+        # whose backward stacks the steps' gradients once (indexing per step adds a zero gradient of all of them)
+        Gt = G.transpose(0, 1).contiguous().unbind(0)
         steps = {k: v.unbind(0) for k, v in taps.items()} if taps is not None else None
         for t in range(G.shape[1]):
             if keep is not None:
@@ -1101,17 +1102,20 @@ class GPN(Whole, nn.Module):
         # step boundary mK of the code's window falls in the step grounding its (mK)-th token: a segment starts there
         cuts = set(range(K - 1, T, K)) if K else set()
         starts = sorted(set(range(0, T, S)) | cuts)
+        bounds = list(zip(starts, starts[1:] + [T]))
+        # the segments' slices of G by one split, whose backward joins their gradients once (a slice each
+        # would add a zero gradient of the whole window per segment)
+        Gs = G.split([e - s for s, e in bounds], 1)
         out = []
-        for i, s in enumerate(starts):
-            e = starts[i + 1] if i + 1 < len(starts) else T
+        for (s, e), G_seg in zip(bounds, Gs):
             seg_keep = keep[:, s:e] if keep is not None else None
             if probe is not None:  # the diagnostics: the segment's first step once more, without gradient
                 with torch.no_grad():  # the class's step: a compiled one (train.compile) keeps its one graph
                     GPN.iterate(self, state, G[:, s], W, probe)
             if self.segment_recompute and torch.is_grad_enabled():
-                sp, *state = _Segment.apply(self, W, len(state), seg_keep, s in cuts, *state, G[:, s:e], *W.tensors())
+                sp, *state = _Segment.apply(self, W, len(state), seg_keep, s in cuts, *state, G_seg, *W.tensors())
             else:
-                sp, state, _ = self._run(state, G[:, s:e], W, seg_keep, s in cuts)
+                sp, state, _ = self._run(state, G_seg, W, seg_keep, s in cuts)
             out.append(sp)
         return torch.cat(out, 1), state
 
