@@ -154,8 +154,17 @@ def launches(v: Variant) -> list[tuple]:
 
             (dk, dv), (B, H) = v.dims, (2, 15)
             ins = (t(B, H, dk, dv), t(B, H, dk), t(B, H, dv), t(B, H), t(B, H), t(B, H, dk))
-            _body(ts.delta_memory_step)(*ins)
-            _body(ts.delta_memory_step_backward)(t(B, H, dk, dv), t(B, H, dv), *ins)
+            from kernels import delta_memory
+
+            for tile in delta_memory.TILES:  # every block size a GPU may measure and pick
+                for blocks in delta_memory.BLOCKS.values():
+                    blocks.force(str(tile))
+                try:
+                    _body(ts.delta_memory_step)(*ins)
+                    _body(ts.delta_memory_step_backward)(t(B, H, dk, dv), t(B, H, dv), *ins)
+                finally:
+                    for blocks in delta_memory.BLOCKS.values():
+                        blocks.force(None)
         else:
             raise ValueError(f"unknown kernel op {v.op!r}")
     return got

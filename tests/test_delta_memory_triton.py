@@ -3,6 +3,7 @@ reference.step: forward values and every gradient at odd shapes, through a chain
 through M), with bf16 inputs; how the "triton" path of delta_memory_step is picked and refused; and a tiny
 GPN+M whose loss and gradients are the same on either path. On a CPU the kernels run in Triton's interpreter
 (TRITON_INTERPRET=1, set by conftest.py); the path serves CPU calls only when forced."""
+
 import pytest
 import torch
 
@@ -51,10 +52,25 @@ def grads_of(run, args, seed=5):
 NAMES = ("M", "k", "v", "beta", "alpha", "q")
 
 
+@pytest.fixture(params=[None, 2048, 4096, 8192], ids=["default", "tile2048", "tile4096", "tile8192"])
+def tile(request):
+    """Each block size a GPU may measure and pick (the paths of delta_memory_blocks_forward and _backward),
+    and the defaults."""
+    from kernels.delta_memory import BLOCKS, TILES
+
+    assert request.param is None or request.param in TILES
+    for op in BLOCKS.values():
+        op.force(None if request.param is None else str(request.param))
+    yield request.param
+    for op in BLOCKS.values():
+        op.force(None)
+
+
 @pytest.mark.parametrize("shape", [(3, 2, 5, 7), (2, 3, 32, 48), (1, 2, 40, 200)],
                          ids=["odd", "larger", "column-blocks"])
-def test_one_step_and_all_its_gradients_equal_the_reference(shape):
-    """Odd sizes (masked blocks), and d_k x d_v past one block of columns (the backward's loop over them)."""
+def test_one_step_and_all_its_gradients_equal_the_reference(shape, tile):
+    """Odd sizes (masked blocks), and d_k x d_v past one block of columns (the backward's partial sums over
+    column blocks, up to 13 of them at the smallest block size), at every block size."""
     args = inputs(*shape)
     want_out, want = grads_of(reference.step, args)
     got_out, got = grads_of(triton_step().step, args)
@@ -199,3 +215,32 @@ def test_the_measured_choice_keys_cuda_calls_only_and_builds_valid_stand_ins():
     assert 0 < beta.min() and beta.max() < 1 and 0 < alpha.min() and alpha.max() < 1
     out, read = reference.step(M, k.float(), v.float(), beta.float(), alpha.float(), q.float())
     assert out.shape == M.shape and read.shape == (2, 3, 7)
+
+
+def test_the_block_sizes_are_measured_choices_on_cuda_only_with_valid_stand_ins():
+    """The forward's and the backward's block sizes are paths of two measured ops (kept across a resume with
+    the other measured choices): the defaults by priority, a CPU call unmeasured, and the stand-ins of a key
+    valid launches whose outputs are the reference's."""
+    from kernels.delta_memory import BLOCKS, DEFAULT_TILE, TILES, _blocks_inputs, _blocks_key
+
+    args = inputs(2, 3, 5, 7)
+    for kind, op in BLOCKS.items():
+        assert op.measured is not None and set(op.paths) == {str(t) for t in TILES}
+        assert op.pick(*args, *args[:2]).name == str(DEFAULT_TILE[kind])  # by priority where unmeasured
+        assert _blocks_key(*[a.cpu() for a in args]) is None
+    key = (2, 3, 5, 7, torch.float32, torch.float32, DEVICE)
+    (M, k, v, beta, alpha, q, Mt, o), _ = _blocks_inputs("forward", key)
+    for tile in TILES:
+        BLOCKS["forward"].paths[str(tile)].fn(M, k, v, beta, alpha, q, Mt, o)
+        want = reference.step(M, k, v, beta, alpha, q)
+        torch.testing.assert_close(Mt, want[0], **TOL)
+        torch.testing.assert_close(o, want[1], **TOL)
+    stand_ins, _ = _blocks_inputs("backward", key)
+    ins, (dMt, do), outs = stand_ins[:6], stand_ins[6:8], stand_ins[8:]
+    leaf = leaves(ins)
+    Mt_ref, o_ref = reference.step(*leaf)
+    want = torch.autograd.grad((Mt_ref, o_ref), leaf, (dMt, do))
+    for tile in TILES:
+        BLOCKS["backward"].paths[str(tile)].fn(*ins, dMt, do, *outs)
+        for name, g, w in zip(NAMES, outs, want):
+            torch.testing.assert_close(g, w, **TOL, msg=lambda m, name=name, tile=tile: f"d{name} at {tile}: {m}")

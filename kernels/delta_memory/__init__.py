@@ -94,6 +94,49 @@ def _step_inputs(key):
 # Triton step's gain depends on B x H against the GPU's SMs and on d_v's blocks: measured, not assumed)
 STEP.measure_with(registry.Measured(_step_key, _step_inputs,
                                     describe=lambda key: "B {} H {} d_k {} d_v {} {}".format(*key[:4], str(key[5])[6:])))
+
+# The Triton step's block size, elements of one [d_k, BV] block per program (BV shrinks as d_k grows), its
+# forward's and its backward's: the paths of two ops, measured per shape on CUDA on their first call like the
+# step's own path, and so kept across a resume (the backward's sums over columns, and Triton's reductions,
+# group differently at another block size: a near tie measured again could change the low bits). Elsewhere,
+# and when not measured, the default: the forward's as the second window measured it, the backward's (which
+# holds several blocks live: M, dN, N and their products) the one with no spills and the most warps an SM.
+TILES = (2048, 4096, 8192)
+DEFAULT_TILE = {"forward": 8192, "backward": 2048}
+BLOCKS = {kind: registry.op(f"delta_memory_blocks_{kind}") for kind in DEFAULT_TILE}
+
+
+def _launcher(kind: str, tile: int):
+    def launch(*args):
+        from kernels.delta_memory import triton_step
+
+        return getattr(triton_step, f"launch_{kind}")(tile, *args)
+    return launch
+
+
+def _blocks_key(M, k, *_):
+    """Calls that share a block size: CUDA only; the shape and the dtypes. Python values only."""
+    return (*M.shape, M.dtype, k.dtype, str(M.device)) if M.device.type == "cuda" else None
+
+
+def _blocks_inputs(kind: str, key):
+    """Fresh synthetic arguments of a key's shape for one kind's launch: the step's inputs, (the backward's
+    incoming gradients,) and the outputs it writes."""
+    B, H, dk, dv, state, dtype, device = key
+    ins = [t.detach() for t in _step_inputs((B, H, dk, dv, state, dtype, False, device))[0]]
+    if kind == "forward":
+        return (*ins, torch.empty_like(ins[0]), ins[0].new_empty(B, H, dv)), {}
+    grads_in = (torch.randn_like(ins[0]), ins[0].new_empty(B, H, dv).normal_())
+    return (*ins, *grads_in, *(torch.empty_like(t) for t in ins)), {}
+
+
+for _kind, _op in BLOCKS.items():
+    for _tile in TILES:
+        _op.register(str(_tile), _launcher(_kind, _tile), priority=1 if _tile == DEFAULT_TILE[_kind] else 0)
+    _op.measure_with(registry.Measured(_blocks_key, lambda key, kind=_kind: _blocks_inputs(kind, key),
+                                       describe=lambda key: "B {} H {} d_k {} d_v {} {}".format(*key[:4],
+                                                                                               str(key[5])[6:])))
+
 READ = registry.op("delta_memory_read")
 READ.register("reference", reference.read)
 
@@ -106,4 +149,4 @@ def memory_read(M, q):
     return READ(M, q)
 
 
-__all__ = ["OP", "READ", "STEP", "chunked", "delta_memory", "memory_read", "memory_step", "reference"]
+__all__ = ["BLOCKS", "OP", "READ", "STEP", "chunked", "delta_memory", "memory_read", "memory_step", "reference"]

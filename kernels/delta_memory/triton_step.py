@@ -37,10 +37,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# elements of one [BK, BV] block held per program: BV shrinks as d_k grows. The backward holds several
-# such tiles live (M, dN, N and their products), so it takes blocks half as wide (_blocks)
-TILE = 8192  # the forward's (d_k = 128: BV = 64)
-TILE_BACKWARD = 2048  # (d_k = 128: BV = 16)
+from kernels.delta_memory import BLOCKS
+
+
 
 
 @triton.jit
@@ -137,13 +136,34 @@ def _sum_blocks(PART, DQ, DK_, DALPHA, DBETA, NB, DK, BK: tl.constexpr):
     tl.store(DBETA + bh, tl.sum(tl.where(two == 1, scalars, 0.0), 0).to(DBETA.dtype.element_ty))
 
 
-def _blocks(dk: int, dv: int, tile: int = TILE) -> tuple[int, int, int]:
+def launch_forward(tile: int, M, k, v, beta, alpha, q, Mt, o) -> None:
+    """The forward kernel into Mt, o at blocks of `tile` elements (a path of delta_memory_blocks_forward)."""
+    B, H, dk, dv = M.shape
+    BK, BV, warps = _blocks(dk, dv, tile)
+    _step_fwd[(B * H, triton.cdiv(dv, BV))](M, k, v, beta, alpha, q, Mt, o, *_strides(M, k, v, beta, alpha, q),
+                                             H, dk, dv, BK=BK, BV=BV, num_warps=warps)
+
+
+def launch_backward(tile: int, M, k, v, beta, alpha, q, dMt, do, dM, dk_, dv_, dbeta, dalpha, dq) -> None:
+    """The backward kernels into dM .. dq at blocks of `tile` elements (a path of delta_memory_blocks_backward):
+    each block's shares of the sums over columns, then _sum_blocks."""
+    B, H, dk, dv = M.shape
+    BK, BV, warps = _blocks(dk, dv, tile)
+    blocks = triton.cdiv(dv, BV)
+    part = torch.empty(B * H, blocks, 2 * BK + 2, device=M.device, dtype=torch.float32)
+    _step_bwd[(B * H, blocks)](M, k, v, beta, alpha, q, dMt, do, dM, dv_, part,
+                               *_strides(M, k, v, beta, alpha, q, dMt, do), H, dk, dv, BK=BK, BV=BV, num_warps=warps)
+    _sum_blocks[(B * H,)](part, dq, dk_, dalpha, dbeta, blocks, dk, BK=BK, num_warps=4)
+
+
+def _blocks(dk: int, dv: int, tile: int) -> tuple[int, int, int]:
     """(BK, BV, warps): a whole key column by BV columns, at most `tile` elements unless one column is more;
-    8 warps for the largest blocks. Compiled for sm_90 (python -m kernels.cuda_build --op delta_memory), GPN+M's
-    d_k 128 x d_v 256 in fp32: the forward's 128 x 64 blocks take 80 registers, 3 blocks an SM; the backward's
-    128 x 16 blocks 90 registers, 5 blocks (20 warps) an SM, no spills. (The backward had run one program per
-    (sample, head) over all its column blocks in turn, 128 x 64 at a time: 223 registers, one block of 8
-    warps an SM, and 1,920 programs at micro batch 128 where there are now 30,720.) Not yet timed on a GPU."""
+    8 warps for blocks of 4,096 elements or more. Compiled for sm_90 (python -m kernels.cuda_build --op
+    delta_memory), GPN+M's d_k 128 x d_v 256 in fp32, registers and blocks an SM at tiles 2,048 / 4,096 /
+    8,192: forward 48 and 10 / 48 and 5 / 80 and 3; backward 90 and 5 / 80 and 3 (8 bytes spilled) / 146
+    and 1. (The backward had run one program per (sample, head) over all its column blocks in turn,
+    128 x 64 at a time: 223 registers, one block of 8 warps an SM, 1,920 programs at micro batch 128.)
+    Which is fastest is measured on the GPU (delta_memory/__init__'s block ops)."""
     BK = triton.next_power_of_2(max(dk, 1))
     BV = max(1, min(triton.next_power_of_2(max(dv, 1)), tile // BK))
     return BK, BV, 8 if BK * BV >= 4096 else 4
@@ -189,9 +209,7 @@ def delta_memory_step(M: Tensor, k: Tensor, v: Tensor, beta: Tensor, alpha: Tens
     Mt, o = _forward_outputs(M)
     if Mt.numel() == 0:
         return Mt, o.zero_()
-    BK, BV, warps = _blocks(dk, dv)
-    _step_fwd[(B * H, triton.cdiv(dv, BV))](M, k, v, beta, alpha, q, Mt, o, *_strides(M, k, v, beta, alpha, q),
-                                             H, dk, dv, BK=BK, BV=BV, num_warps=warps)
+    BLOCKS["forward"](M, k, v, beta, alpha, q, Mt, o)  # the block size: a measured choice (delta_memory/__init__)
     return Mt, o
 
 
@@ -212,13 +230,7 @@ def delta_memory_step_backward(dMt: Tensor, do: Tensor, M: Tensor, k: Tensor, v:
     grads = _backward_outputs(M, k, v, beta, alpha, q)
     if M.numel() == 0:
         return tuple(g.zero_() for g in grads)
-    dM, dk_, dv_, dbeta, dalpha, dq = grads
-    BK, BV, warps = _blocks(dk, dv, TILE_BACKWARD)
-    blocks = triton.cdiv(dv, BV)
-    part = torch.empty(B * H, blocks, 2 * BK + 2, device=M.device, dtype=torch.float32)
-    _step_bwd[(B * H, blocks)](M, k, v, beta, alpha, q, dMt, do, dM, dv_, part,
-                               *_strides(M, k, v, beta, alpha, q, dMt, do), H, dk, dv, BK=BK, BV=BV, num_warps=warps)
-    _sum_blocks[(B * H,)](part, dq, dk_, dalpha, dbeta, blocks, dk, BK=BK, num_warps=4)
+    BLOCKS["backward"](M, k, v, beta, alpha, q, dMt, do, *grads)
     return grads
 
 
