@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.delta_memory import BLOCKS
+from kernels import registry
 
 
 
@@ -209,7 +209,9 @@ def delta_memory_step(M: Tensor, k: Tensor, v: Tensor, beta: Tensor, alpha: Tens
     Mt, o = _forward_outputs(M)
     if Mt.numel() == 0:
         return Mt, o.zero_()
-    BLOCKS["forward"](M, k, v, beta, alpha, q, Mt, o)  # the block size: a measured choice (delta_memory/__init__)
+    # the block size: a measured choice (delta_memory/__init__ registers the op's paths; by name, not imported,
+    # since the package imports this module)
+    registry.op("delta_memory_blocks_forward")(M, k, v, beta, alpha, q, Mt, o)
     return Mt, o
 
 
@@ -230,7 +232,7 @@ def delta_memory_step_backward(dMt: Tensor, do: Tensor, M: Tensor, k: Tensor, v:
     grads = _backward_outputs(M, k, v, beta, alpha, q)
     if M.numel() == 0:
         return tuple(g.zero_() for g in grads)
-    BLOCKS["backward"](M, k, v, beta, alpha, q, dMt, do, *grads)
+    registry.op("delta_memory_blocks_backward")(M, k, v, beta, alpha, q, dMt, do, *grads)
     return grads
 
 
