@@ -92,8 +92,12 @@ def _step_inputs(key):
 
 # on CUDA the first call of each shape times both paths' forward + backward and keeps the faster (the
 # Triton step's gain depends on B x H against the GPU's SMs and on d_v's blocks: measured, not assumed)
-STEP.measure_with(registry.Measured(_step_key, _step_inputs,
-                                    describe=lambda key: "B {} H {} d_k {} d_v {} {}".format(*key[:4], str(key[5])[6:])))
+def _describe(key) -> str:
+    """A step's or a block op's key in the report: the shape and the inputs' dtype (key[5])."""
+    return "B {} H {} d_k {} d_v {} {}".format(*key[:4], str(key[5])[6:])
+
+
+STEP.measure_with(registry.Measured(_step_key, _step_inputs, describe=_describe))
 
 # The Triton step's block size, elements of one [d_k, BV] block per program (BV shrinks as d_k grows), its
 # forward's and its backward's: the paths of two ops, measured per shape on CUDA on their first call like the
@@ -134,8 +138,7 @@ for _kind, _op in BLOCKS.items():
     for _tile in TILES:
         _op.register(str(_tile), _launcher(_kind, _tile), priority=1 if _tile == DEFAULT_TILE[_kind] else 0)
     _op.measure_with(registry.Measured(_blocks_key, lambda key, kind=_kind: _blocks_inputs(kind, key),
-                                       describe=lambda key: "B {} H {} d_k {} d_v {} {}".format(*key[:4],
-                                                                                               str(key[5])[6:])))
+                                       describe=_describe))
 
 READ = registry.op("delta_memory_read")
 READ.register("reference", reference.read)

@@ -788,15 +788,13 @@ class Folded:
 
     def products(self) -> dict[str, tuple[int, int | None]]:
         """Each matrix product of a step, by the name iterate gives it: where its matrix and its bias (None:
-        none) are in tensors()."""
-        n_later, n_outs, n_downs = len(self.later), len(self.outs), len(self.downs)
-        at = {"fuse_gate": (0, 1), "first": (2, 3)}
-        at.update({f"later{i}": (2 + 2 * i, 3 + 2 * i) for i in range(1, n_later + 1)})
-        at.update({f"out{i}": (4 + 2 * n_later + i, None) for i in range(n_outs)})
-        at.update({f"down{i}": (4 + 2 * n_later + n_outs + i, None) for i in range(n_downs)})
-        if self.key is not None:
-            base = 4 + 2 * n_later + n_outs + n_downs  # neg_A, then the key's pair
-            at["key"] = (base + 1, base + 2)
+        none) are in tensors(): read off this Folded rebuilt with the positions in place of its tensors."""
+        ix = self.with_tensors(list(range(len(self.tensors()))))
+        at = {"fuse_gate": ix.fuse_gate, "first": ix.first, **{f"later{i}": p for i, p in enumerate(ix.later, 1)}}
+        at.update({f"out{i}": (j, None) for i, j in enumerate(ix.outs)})
+        at.update({f"down{i}": (j, None) for i, j in enumerate(ix.downs)})
+        if ix.key is not None:
+            at["key"] = ix.key
         return at
 
     def skeleton(self) -> "Folded":
@@ -1078,9 +1076,9 @@ class GPN(Whole, nn.Module):
             if taps is None:
                 state = self.iterate(state, Gt[t], W, cut=cut and t == 0)
             else:
-                state, inputs = self.iterate(state, Gt[t], W, cut=cut and t == 0,
-                                             taps={k: v[t] for k, v in steps.items()})
-                kept.append(inputs)
+                state, step_inputs = self.iterate(state, Gt[t], W, cut=cut and t == 0,
+                                                  taps={k: v[t] for k, v in steps.items()})
+                kept.append(step_inputs)
             out.append(state[2])
         inputs = {k: torch.stack([x[k] for x in kept]) for k in taps} if taps is not None else None
         return torch.stack(out, 1), state, inputs
