@@ -502,10 +502,10 @@ def _layer_under_bf16_autocast(blk, cast_once: bool, positions_seen: list | None
         def in_loop(self, low):
             return super().in_loop(low) if cast_once else nullcontext()
 
-        def post(self, x, a):
-            if positions_seen is not None and x.shape[1] == 1:
+        def position(self, *args):
+            if positions_seen is not None:
                 positions_seen.append((self.block.ffn.fc1.weight.dtype, self.block.attn.kv.weight.dtype))
-            return super().post(x, a)
+            return super().position(*args)
 
     blk.zero_grad(set_to_none=True)
     x = torch.randn(3, 37, blk.attn.proj.weight.shape[0], generator=torch.Generator().manual_seed(1), requires_grad=True)
@@ -527,6 +527,30 @@ def test_the_loops_read_the_linear_weights_cast_once_and_give_the_same_bits():
     assert len(seen) == 37 and set(seen) == {(torch.bfloat16, torch.bfloat16)}, set(seen)
     assert all(torch.equal(a, b) for a, b in zip(once, each, strict=True))
     assert all(isinstance(p, torch.nn.Parameter) and p.dtype == torch.float32 for p in blk.parameters())
+
+
+class _PiecesApart(LayerView):
+    """RT's layer without its one-piece positions: the tiled loops call post, kv and their vjps apart."""
+    position = position_grad = None
+
+
+@pytest.mark.parametrize("positions", ["alibi", "rope"])
+def test_one_piece_positions_give_the_bits_of_the_pieces_apart(positions):
+    """The loops' one call per position (LayerView.position, position_grad: compiled as one piece each, so
+    that their writes fuse) runs the operations of post, kv and their vjps apart, in their order: the layer's
+    output and every gradient are bitwise equal, in fp64 and under CPU bf16 autocast."""
+    for dtype, amp in ((torch.float64, False), (torch.float32, True)):
+        model = model_of(dtype=dtype, d_model=32, positions=positions)
+        view = layer_of(model, 37)
+        runs = []
+        for cls in (LayerView, _PiecesApart):
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(3, 37, 32, generator=torch.Generator().manual_seed(1), dtype=dtype, requires_grad=True)
+            with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+                z = tiled.prefill(x, cls(view.block, view.rope, 0), 1)
+                (z.float() * torch.linspace(-1, 1, z.numel()).view_as(z)).sum().backward()
+            runs.append([z.detach(), x.grad, *(p.grad for p in view.block.parameters())])
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), (dtype, amp)
 
 
 @pytest.mark.slow  # compiles the per-position pieces twice (weights fp32 and bf16): ~20 s on 2 cores

@@ -184,18 +184,16 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
     K, V = kt.new_empty(kt.shape), vt.new_empty(vt.shape)
     Z = torch.empty_like(x)
     schedule = {t: (k0, k1, q1) for t, k0, k1, q1 in tiles(N, leaf)}
+    position = getattr(layer, "position", None) or (lambda *a: _position(layer, *a))
     with _in_loop(layer, N):
         for t in range(N):
             k0, k1 = leaf_keys(t, leaf)
+            sl = slice(t, t + 1)
             if k1 > k0:
-                sl = slice(t, t + 1)
                 update(qs[:, :, sl], K[:, :, k0:k1], V[:, :, k0:k1], m[:, :, sl], l[:, :, sl], O[:, :, sl],
                        layer.slopes, offset + t, offset + k0)
                 KEYS_MOVED[0] += k1 - k0
-            a = (O[:, :, t:t + 1] / l[:, :, t:t + 1, None]).to(x.dtype)
-            z = layer.post(x[:, t:t + 1], a)
-            Z[:, t:t + 1] = z
-            K[:, :, t:t + 1], V[:, :, t:t + 1] = layer.kv(z, offset + t)
+            position(x[:, sl], O[:, :, sl], l[:, :, sl], offset + t, Z[:, sl], K[:, :, sl], V[:, :, sl])
             if t in schedule:
                 k0, k1, q1 = schedule[t]
                 sl = slice(k1, q1)
@@ -203,6 +201,17 @@ def forward(x: Tensor, layer, leaf: int = 1, offset: int = 0, prefix: tuple[Tens
                        layer.slopes, offset + k1, offset + k0)
                 KEYS_MOVED[0] += k1 - k0
     return Z, K, V, m + torch.log(l)
+
+
+def _position(layer, x: Tensor, O: Tensor, l: Tensor, offset: int, z_out: Tensor, k_out: Tensor,
+              v_out: Tensor) -> None:
+    """A position of the forward through the layer's post and kv, for a layer without a `position` of its own
+    (RT's is one compiled piece): z = post(x, O / l) and kv(z), written into the loop's buffers."""
+    z = layer.post(x, (O / l[..., None]).to(x.dtype))
+    z_out.copy_(z)
+    k, v = layer.kv(z, offset)
+    k_out.copy_(k)
+    v_out.copy_(v)
 
 
 def _in_loop(layer, n: int):
@@ -359,25 +368,19 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     if prepare is not None and vjp_kv is not None and vjp_post is not None:
         with torch.no_grad():
             prep = prepare(x, A_in, Z, offset)
+    # one position's dL/dz, dL/da and D: the layer's own piece (RT's, compiled as one) when it has one and
+    # vjp_prepare's quantities, else through its vjp_kv / vjp_post, else autograd on the position
+    fused = getattr(layer, "position_grad", None) if prep is not None else None
     with _in_loop(layer, N):
         for t in reversed(range(N)):  # phase 1
-            dk_t, dv_t = dK[:, :, t:t + 1].to(x.dtype), dV[:, :, t:t + 1].to(x.dtype)
+            sl = slice(t, t + 1)
+            dk_t, dv_t = dK[:, :, sl].to(x.dtype), dV[:, :, sl].to(x.dtype)
             at = prep.at(t) if prep is not None else None
-            if vjp_kv is not None:  # the layer's own input gradients, else autograd on this position
-                dz = torch.add(vjp_kv(Z[:, t:t + 1], offset + t, dk_t, dv_t, at), gZ[:, t:t + 1], out=gZ_total[:, t:t + 1])
+            if fused is not None:
+                fused(offset + t, dk_t, dv_t, gZ[:, sl], A[:, :, sl], at, gZ_total[:, sl], G[:, :, sl], D[:, :, sl])
             else:
-                with torch.enable_grad():
-                    zt = Z[:, t:t + 1].detach().requires_grad_()
-                    dz = torch.add(torch.autograd.grad(layer.kv(zt, offset + t), zt, (dk_t, dv_t))[0], gZ[:, t:t + 1],
-                                   out=gZ_total[:, t:t + 1])
-            if vjp_post is not None:
-                g = vjp_post(x[:, t:t + 1], A_in[:, :, t:t + 1], dz, at)
-            else:
-                with torch.enable_grad():
-                    at = A_in[:, :, t:t + 1].detach().requires_grad_()
-                    g = torch.autograd.grad(layer.post(x[:, t:t + 1], at), at, dz)[0]
-            G[:, :, t:t + 1].copy_(g)  # the cast inside the copy
-            torch.sum(A[:, :, t] * G[:, :, t], -1, out=D[:, :, t])  # written in place: out= saves a copy per position
+                _position_grad(layer, offset + t, dk_t, dv_t, gZ[:, sl], A[:, :, sl], at, gZ_total[:, sl],
+                               G[:, :, sl], D[:, :, sl], x[:, sl], Z[:, sl], A_in[:, :, sl])
             for a0, a1, k0, k1 in _pieces(N, leaf, t):
                 ops.grads(qs[:, :, a0:a1], Kd[:, :, k0:k1], Vd[:, :, k0:k1], G[:, :, a0:a1], D[:, :, a0:a1],
                           lse[:, :, a0:a1], layer.slopes, offset + a0, offset + k0, dK[:, :, k0:k1], dV[:, :, k0:k1])
@@ -414,6 +417,29 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
         zp = layer.post(xp, A_in)
     grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
     return [dx_pre + grads_post[0], *(_sum(a, c) for a, c in zip(summed, grads_post[1:]))]
+
+
+def _position_grad(layer, offset: int, dk: Tensor, dv: Tensor, gz: Tensor, A: Tensor, prep, dz_out: Tensor,
+                   g_out: Tensor, D_out: Tensor, x: Tensor, z: Tensor, a: Tensor) -> None:
+    """A position of the backward for a layer without a `position_grad` of its own: dL/dz through its vjp_kv
+    (or autograd on kv at the position), dL/da through its vjp_post (or autograd on post), and D = <A, dL/da>,
+    written into dz_out, g_out, D_out; x, z, a: the position's layer input, output and attention output as
+    post read it."""
+    vjp_kv, vjp_post = getattr(layer, "vjp_kv", None), getattr(layer, "vjp_post", None)
+    if vjp_kv is not None:
+        dz = torch.add(vjp_kv(z, offset, dk, dv, prep), gz, out=dz_out)
+    else:
+        with torch.enable_grad():
+            zt = z.detach().requires_grad_()
+            dz = torch.add(torch.autograd.grad(layer.kv(zt, offset), zt, (dk, dv))[0], gz, out=dz_out)
+    if vjp_post is not None:
+        g = vjp_post(x, a, dz, prep)
+    else:
+        with torch.enable_grad():
+            at = a.detach().requires_grad_()
+            g = torch.autograd.grad(layer.post(x, at), at, dz)[0]
+    g_out.copy_(g)  # the cast inside the copy
+    torch.sum(A * g_out, -1, out=D_out)  # written in place: out= saves a copy per position
 
 
 def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:

@@ -121,7 +121,7 @@ class LayerView:
         return list(self.rope) if self.rope is not None else []
 
     def with_tensors(self, tables: list[Tensor]) -> "LayerView":
-        return LayerView(self.block, tuple(tables), self.base)
+        return type(self)(self.block, tuple(tables), self.base)  # a subclass (tests, benchmarks) stays itself
 
     def _tables(self, offset: int, n: int):
         if self.rope is None:
@@ -145,6 +145,12 @@ class LayerView:
 
     def post(self, x: Tensor, a: Tensor) -> Tensor:
         return self._steps(x.shape[1]).post(self.block, x, a)
+
+    def position(self, x: Tensor, O: Tensor, l: Tensor, offset: int, z_out: Tensor, k_out: Tensor,
+                 v_out: Tensor) -> None:
+        """One position of the tiled forward as one piece (the loop's call): its output z = post(x, O / l) and
+        persistent pair kv(z), written into z_out, k_out, v_out."""
+        self.block.steps.position(self.block, x, O, l, self._tables(offset, 1), z_out, k_out, v_out)
 
     def parameters(self):
         return self.block.parameters()
@@ -200,6 +206,14 @@ class LayerView:
         p = prep if prep is not None else VjpPrep(self._prep_kv(z))
         return self.block.steps.vjp_kv(self.block, dk, dv, p.get("k"), p["z"], self._tables(offset, z.shape[1]))
 
+    def position_grad(self, offset: int, dk: Tensor, dv: Tensor, gz: Tensor, A: Tensor, prep: "VjpPrep",
+                      dz_out: Tensor, g_out: Tensor, D_out: Tensor) -> None:
+        """One position of the tiled backward as one piece (the loop's call), given what z's persistent pair
+        received (dk, dv), the upstream gradient gz, the attention output A and prep (this position's
+        vjp_prepare): dL/dz, dL/da and D = <A, dL/da>, written into dz_out, g_out, D_out."""
+        self.block.steps.position_grad(self.block, dk, dv, prep.get("k"), prep["z"], self._tables(offset, 1), gz,
+                                       prep["act"], prep["h"], A, dz_out, g_out, D_out)
+
     def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
         """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]; prep as vjp_kv's."""
         p = prep if prep is not None else VjpPrep(self._prep_post(x, a))
@@ -239,6 +253,31 @@ def _vjp_post(block: "RTBlock", dz: Tensor, act: Tensor, h_stats) -> Tensor:
     return block.scale * dh @ block.attn.proj.weight
 
 
+# A whole position of each loop as one piece, written in place into the loop's buffers: compiled, the writes
+# (and the forward's division, the backward's sums) fuse into the kernels that produce their values, where
+# the pieces apart left them to kernels of their own between compiled calls (benchmarks/rt_ops_per_position.py
+# --compiled counts them). The operations and their order are those of the pieces apart.
+def _position(block: "RTBlock", x: Tensor, O: Tensor, l: Tensor, rope, z_out: Tensor, k_out: Tensor,
+              v_out: Tensor) -> None:
+    """Position t of the tiled forward: its attention output O / l, z = post(x, a), and z's persistent pair."""
+    z = _post(block, x, (O / l[..., None]).to(x.dtype))
+    k, v = _kv(block, z, rope)
+    z_out.copy_(z)
+    k_out.copy_(k)
+    v_out.copy_(v)
+
+
+def _position_grad(block: "RTBlock", dk: Tensor, dv: Tensor, k_stats, z_stats, rope, gz: Tensor, act: Tensor,
+                   h_stats, A: Tensor, dz_out: Tensor, g_out: Tensor, D_out: Tensor) -> None:
+    """Position t of the tiled backward: dL/dz (upstream gz plus what z's persistent pair received), the
+    attention gradient g it gives through post(), and D = <A, g> (A in the accumulators' dtype)."""
+    # no out= arguments: dynamo breaks the graph at them (a kernel more, and the piece's remainder traced apart)
+    dz = (_vjp_kv(block, dk, dv, k_stats, z_stats, rope) + gz).to(dz_out.dtype)
+    dz_out.copy_(dz)
+    g_out.copy_(_vjp_post(block, dz, act, h_stats).unflatten(-1, (A.shape[1], A.shape[3])).transpose(1, 2))
+    D_out.copy_((A * g_out).sum(-1))
+
+
 class Steps:
     """The per-position pieces an RT layer's tiled loops call: as written, or (RT.compile) compiled with
     torch.compile, static shapes; one set per model, shared by its layers (their parameters are inputs)."""
@@ -248,6 +287,7 @@ class Steps:
         wrap = (lambda f: torch.compile(f, **options)) if compile else (lambda f: f)
         self.compiled = compile
         self.post, self.kv, self.vjp_kv, self.vjp_post = wrap(_post), wrap(_kv), wrap(_vjp_kv), wrap(_vjp_post)
+        self.position, self.position_grad = wrap(_position), wrap(_position_grad)
 
 
 PLAIN_STEPS = Steps()
