@@ -457,8 +457,9 @@ def test_compile_leaves_the_loops_out_and_gives_the_eager_loss_and_gradients():
     assert compiled._compiled_call_impl is None and not any(b._compiled_call_impl for b in compiled.blocks)
     steps = {id(b.steps) for b in compiled.blocks}
     assert len(steps) == 1 and compiled.blocks[0].steps.compiled and len(compiled.blocks) >= 2
-    # the read-out, and each piece at one position and (the backward's batched phases) at all of them
-    assert graphs <= 7, graphs
+    # the read-out and one piece per position each way, for every layer: a graph per layer would outgrow dynamo's
+    # cache (8 entries) at 12 layers and run the rest uncompiled
+    assert graphs == 3, graphs
 
 
 def test_the_backward_loop_runs_no_norm_statistics_and_no_alibi_making_per_position():
