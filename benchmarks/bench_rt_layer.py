@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         left = batches[len(done):]  # (empty when the signal came after the last batch was measured)
         print(f"batch {left[0] if left else batches[-1]}: stopped (SIGTERM); the table has the batches measured",
               flush=True)
-    batches = done
+    batches = sorted(done)  # measured in the order given (the refit's batches first, so a timeout keeps them)
     what = f"d {args.d_model}, {args.heads} heads, N {args.seq}, leaf {args.leaf}, {args.tile} tile"
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)"
     print(f"\n### One RT layer's forward, ms ({what}; {dev}, torch {torch.__version__})\n")
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
         for backward in phases:
             print(f"| ours, {name}{', fwd+bwd' if backward else ''} | "
                   + " | ".join(cell(rows[(b, mode, backward)]) for b in batches) + " |")
-    print("\n" + "\n".join(f"- batch {b}: {text}" for b, text in held.items()) + f"\n- paths: {describe_paths_used()}")
+    print("\n" + "\n".join(f"- batch {b}: {text}" for b, text in sorted(held.items())) + f"\n- paths: {describe_paths_used()}")
     fit = {b: rows[(b, "on", False)] for b in batches if b >= 512 and rows[(b, "on", False)] is not None}
     if len(fit) >= 2 and not args.dry_run:
         shape = dict(d=args.d_model, f=4 * args.d_model, T=args.seq)
