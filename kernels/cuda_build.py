@@ -138,17 +138,19 @@ def launches(v: Variant) -> list[tuple]:
             _body(tk.block_sparse_attention_backward)(t(B, H, T, D), q, k, val, out, lse, runs, *lists, *lists,
                                                       D ** -0.5, bq, bk)
         elif v.op == "rt_tile":
-            from kernels.rt_prefill import triton_tile
+            from kernels.rt_prefill import tiled, triton_tile
 
             (D,), (B, H, n) = v.dims, (2, 16, 256)  # n: the largest tile at N = 512 (blocks cap below it)
             f32 = torch.float32
             qs, k, val, slopes = t(B, H, n, D, dtype=f32), t(B, H, n, D), t(B, H, n, D), t(H, dtype=f32)
             slopes = slopes if v.alibi else None
-            triton_tile.update_tile(qs, k, val, t(B, H, n, dtype=f32), t(B, H, n, dtype=f32),
-                                    t(B, H, n, D, dtype=f32), slopes, n, 0)
-            triton_tile.tile_grads(qs, k, val, t(B, H, n, D, dtype=f32), t(B, H, n, dtype=f32),
-                                   t(B, H, n, dtype=f32), slopes, n, 0, t(B, H, n, D, dtype=f32),
-                                   t(B, H, n, D, dtype=f32))
+            # 16-bit keys are a training step's, under autocast: the products in their dtype (fp32: IEEE)
+            with tiled.products_in(dt if dt != f32 else None):
+                triton_tile.update_tile(qs, k, val, t(B, H, n, dtype=f32), t(B, H, n, dtype=f32),
+                                        t(B, H, n, D, dtype=f32), slopes, n, 0)
+                triton_tile.tile_grads(qs, k, val, t(B, H, n, D, dtype=f32), t(B, H, n, dtype=f32),
+                                       t(B, H, n, dtype=f32), slopes, n, 0, t(B, H, n, D, dtype=f32),
+                                       t(B, H, n, D, dtype=f32))
         elif v.op == "delta_memory":
             from kernels.delta_memory import triton_step as ts
 

@@ -370,6 +370,44 @@ def test_triton_tile_kernels_equal_the_pytorch_tile(nq, nk, alibi):
         assert not torch.equal(b, s)  # the tile added something
 
 
+@pytest.mark.parametrize("nq,nk,alibi", [(16, 16, True), (33, 64, True), (5, 70, False)])
+def test_triton_tile_products_follow_the_calls_autocast_as_the_pytorch_tiles_do(nq, nk, alibi):
+    """Under a tiled call's bf16 autocast both tiles take both operands of every product in bf16 (tensor cores
+    on a GPU), accumulating in fp32: their errors against fp64 are bf16's and of one size (the Triton tile's
+    scores stay fp32, where the PyTorch tile's bf16 product rounds them), far above the fp32 products' error."""
+    triton_tile = _interpreted_triton()
+    g = torch.Generator().manual_seed(nq * 100 + nk)
+    B, H, D = 2, 3, 16
+    qs = torch.randn(B, H, nq, D, generator=g)
+    k, v = (torch.randn(B, H, nk, D, generator=g).bfloat16() for _ in range(2))  # as the loop's, under autocast
+    slopes = torch.tensor([0.5, 0.25, 0.125]) if alibi else None
+    state = torch.randn(B, H, nq, generator=g), torch.rand(B, H, nq, generator=g) + 0.5, torch.randn(B, H, nq, D, generator=g)
+    gq, D_ = torch.randn(B, H, nq, D, generator=g), torch.randn(B, H, nq, generator=g)
+    acc = torch.randn(B, nk, H, D, generator=g).transpose(1, 2), torch.randn(B, nk, H, D, generator=g).transpose(1, 2)
+
+    def run(tile, low, lse, dtype=None):
+        cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
+        qkv, upd, grads = [cast(t) for t in (qs, k, v)], [cast(t).clone() for t in state], [cast(t).clone() for t in acc]
+        with tiled.products_in(low):
+            tile.update_tile(*qkv, *upd, slopes, 70, 3)
+            if lse is not None:
+                tile.tile_grads(*qkv, cast(gq), cast(D_), cast(lse), slopes, 70, 3, *grads)
+        return upd + grads
+
+    # the backward reads the log-sum-exp the forward leaves (fp64's, for every run: only the products differ)
+    folded = run(tiled, None, None, torch.float64)
+    lse = folded[0] + folded[1].log()
+    want = run(tiled, None, lse, torch.float64)
+    errors = {name: max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(run(tile, low, lse.float()), want))
+              for name, tile, low in (("torch bf16", tiled, torch.bfloat16), ("triton bf16", triton_tile, torch.bfloat16),
+                                      ("triton fp32", triton_tile, None))}
+    assert errors["triton fp32"] < 1e-5, errors
+    # (here 0.4-0.7x the PyTorch tile's: its fp32 scores; a wrong product is orders of magnitude off, an unrounded
+    # operand at fp32's error)
+    assert errors["triton bf16"] < errors["torch bf16"], errors
+    assert errors["triton bf16"] > 1000 * errors["triton fp32"], errors
+
+
 @pytest.mark.parametrize("N,leaf,positions", [(17, 1, "alibi"), (37, 16, "alibi"), (33, 4, "rope")])
 def test_the_triton_path_runs_the_schedule_and_backward_like_the_tiled_one(N, leaf, positions):
     """Whole layers through the rt_prefill op, forced onto the Triton tile, against the naive loop in
@@ -399,6 +437,35 @@ def test_the_triton_path_runs_the_schedule_and_backward_like_the_tiled_one(N, le
     torch.testing.assert_close(z.double(), want_z, rtol=1e-4, atol=1e-5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_triton_path_under_bf16_autocast_errs_as_the_tiled_one():
+    """A whole layer under CPU bf16 autocast, forced onto the Triton tile (its products in bf16, as on a GPU's
+    training step) and on the PyTorch tile: output and every gradient err against the fp64 loop alike."""
+    _interpreted_triton()
+    from kernels.rt_prefill import OP
+
+    N = 37
+    model = model_of(torch.float32, d_model=32)
+    x = torch.randn(2, N, 32, generator=torch.Generator().manual_seed(N))
+    g = torch.randn(2, N, 32, generator=torch.Generator().manual_seed(1))
+    model64 = model_of(torch.float64, d_model=32)
+    model64.load_state_dict(model.state_dict())
+    x64 = x.double().requires_grad_()
+    want_z = reference.prefill(x64, layer_of(model64, N))
+    want = [want_z, *torch.autograd.grad(want_z, [x64, *model64.blocks[0].parameters()], g.double())]
+    errors = {}
+    for path in ("triton", None):
+        OP.force(path)
+        try:
+            xi = x.clone().requires_grad_()
+            with torch.autocast("cpu", torch.bfloat16):
+                z = rt_prefill(xi, layer_of(model, N), 1)
+            got = [z, *torch.autograd.grad(z, [xi, *model.blocks[0].parameters()], g)]
+        finally:
+            OP.force(None)
+        errors[path] = max(((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, want))
+    assert errors["triton"] < 1.5 * errors[None] and errors[None] < 0.05, errors
 
 
 def _decoded(model, tokens) -> torch.Tensor:

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(not (HAVE_TRITON and interpreting()),
                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1) to run the Triton tile on a CPU")
 
 
-def cpu_key(qs, k, *rest):
-    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, rest[4] is not None, "cpu")
+def cpu_key(qs, k, *rest):  # the rt_prefill key's fields, on the CPU
+    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, tiled._low(), rest[4] is not None, "cpu")
 
 
 @pytest.fixture
@@ -83,4 +83,4 @@ def test_on_a_cpu_the_tiled_path_runs_the_pytorch_tile_unmeasured():
 
     torch.testing.assert_close(rt_prefill(x, view, 1), tiled.prefill(x, view, 1), rtol=0, atol=0)
     assert not registry.choices().get("rt_tile_update") and not registry.choices().get("rt_tile_grads")
-    assert UPDATE.pick(*_update_inputs((1, 2, 4, 4, 16, torch.float32, True, "cpu"))[0]).name == "torch"
+    assert UPDATE.pick(*_update_inputs((1, 2, 4, 4, 16, torch.float32, None, True, "cpu"))[0]).name == "torch"

@@ -25,8 +25,8 @@ from kernels.rt_prefill import reference, schedule, tiled
 from kernels.triton_support import triton_can_run
 
 # The tile's two functions as ops of their own: on CUDA each tile shape measures the PyTorch tile (a few
-# dozen small kernels, its products in bf16 under autocast) against the Triton tile (one kernel, fp32 IEEE
-# products) on its first call and keeps the faster; elsewhere the PyTorch tile, so no CPU test or golden
+# dozen small kernels) against the Triton tile (one kernel), both with their products in bf16 under autocast
+# (else fp32), on its first call and keeps the faster; elsewhere the PyTorch tile, so no CPU test or golden
 # curve moves. Small tiles are launch-bound and large ones arithmetic-bound: which wins is measured per shape.
 UPDATE = registry.op("rt_tile_update")
 GRADS = registry.op("rt_tile_grads")
@@ -58,17 +58,18 @@ def _triton_grads(*args):
 
 
 def _tile_key(qs: Tensor, k: Tensor, *rest):
-    """Calls that share a measured choice: CUDA only; the tile's shape, the keys' dtype, ALiBi or not."""
+    """Calls that share a measured choice: CUDA only; the tile's shape, the keys' dtype, the products' (the
+    running tiled call's autocast dtype, or None), ALiBi or not."""
     if qs.device.type != "cuda":
         return None
     slopes = rest[4]  # the seventh argument of both
-    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, slopes is not None, str(qs.device))
+    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, tiled._low(), slopes is not None, str(qs.device))
 
 
 def _tile_tensors(key):
     """(qs, k, v, slopes, q0, k0, make): a key's tile on fresh tensors from a private generator (a
     measurement must not move the process's random stream), make(*shape) drawing more."""
-    B, H, nq, nk, D, dtype, alibi, device = key
+    B, H, nq, nk, D, dtype, _, alibi, device = key  # (the products' dtype is the running call's)
     g = torch.Generator(device=device).manual_seed(0)
     make = lambda *shape, dt=torch.float32: torch.randn(*shape, generator=g, device=device, dtype=dt)  # noqa: E731
     slopes = torch.linspace(0.5, 0.01, H, device=device) if alibi else None
@@ -92,8 +93,9 @@ def _grads_inputs(key):
 
 
 def _describe(key) -> str:
-    B, H, nq, nk, D, dtype, alibi, _ = key
-    return f"B {B} H {H} queries {nq} keys {nk} d {D} {str(dtype)[6:]}{' alibi' if alibi else ''}"
+    B, H, nq, nk, D, dtype, low, alibi, _ = key
+    products = f" products {str(low)[6:]}" if low is not None else ""
+    return f"B {B} H {H} queries {nq} keys {nk} d {D} {str(dtype)[6:]}{products}{' alibi' if alibi else ''}"
 
 
 for _op, _torch, _triton_fn, _inputs in ((UPDATE, tiled.update_tile, _triton_update, _update_inputs),

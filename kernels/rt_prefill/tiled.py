@@ -94,6 +94,17 @@ def _low():
     return _CALLS[-1].low if _CALLS else None
 
 
+@contextlib.contextmanager
+def products_in(low):
+    """The tile functions called directly (tests, the kernel build), outside a tiled forward or backward, with
+    their products in `low` (an autocast dtype; None: the operands' own), as a call under that autocast."""
+    _CALLS.append(_Call(low))
+    try:
+        yield
+    finally:
+        _CALLS.pop()
+
+
 def _product(a: Tensor, b: Tensor) -> Tensor:
     """a @ b of a tile: in the running call's autocast dtype, each operand cast once (autocast had bf16 keys
     widened to the fp32 accumulators' dtype and narrowed back, two kernels per product at every position);
