@@ -166,6 +166,32 @@ def test_the_dispatcher_picks_a_block_sparse_path_for_masked_training_on_cuda(st
     assert attn.paths_used() == {"flex"}
 
 
+def test_rt_triton_tile_on_cuda_under_bf16_autocast_errs_as_the_pytorch_tile():
+    """Under bf16 autocast the Triton tile multiplies bf16 operands on the tensor cores, as the PyTorch tile
+    does: a layer's output and input gradient err against the fp64 loop alike (the CPU test rounds operands
+    itself on Triton's interpreter; this one runs the GPU's own conversion and tl.dot)."""
+    from kernels.rt_prefill import reference, tiled, triton_tile
+    from pretrain.models.rt import RT, LayerView, RTConfig
+
+    cfg = RTConfig(vocab_size=64, d_model=128, n_layers=1, n_heads=2, max_seq_len=128)
+    torch.manual_seed(0)
+    model, m64 = RT(cfg), RT(cfg).double()
+    m64.load_state_dict(model.state_dict())
+    x, g = torch.randn(4, 100, 128), torch.randn(4, 100, 128)
+    x64 = x.double().requires_grad_()
+    want = reference.prefill(x64, LayerView(m64.blocks[0], None, 0))
+    want = [want, *torch.autograd.grad(want, x64, g.double())]
+    model = model.cuda()
+    errors = []
+    for ops in (triton_tile.OPS, tiled.TORCH_OPS):
+        xc = x.cuda().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            z = tiled.prefill(xc, LayerView(model.blocks[0], None, 0), 1, ops=ops)
+        got = [z, *torch.autograd.grad(z, xc, g.cuda())]
+        errors.append(max(((a.double().cpu() - b).norm() / b.norm()).item() for a, b in zip(got, want)))
+    assert errors[0] < 1.5 * errors[1] and errors[1] < 0.05, errors
+
+
 @pytest.mark.parametrize("leaf", [1, 16])
 def test_rt_triton_tile_on_cuda_matches_the_naive_loop(leaf):
     """The RT layer through the Triton tile kernels on the device against the naive loop (float64, CPU
