@@ -87,21 +87,29 @@ def test_a_suite_ended_by_sigterm_takes_its_running_row_with_it(tmp_path):
 
     from pretrain.runlock import pid_alive
 
+    log = open(tmp_path / "suite.log", "w")  # what the suite said, for a failure's message
     proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "transformer",
                              "--dry-run", "--only", "cart/dense-7l", "--out", str(tmp_path)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT)
 
     def row_pids() -> list[int]:
         found = subprocess.run(["pgrep", "-f", f"train.run_dir={tmp_path}"], capture_output=True, text=True)
         return [int(p) for p in found.stdout.split()]
 
-    deadline = time.monotonic() + 120
-    while not row_pids() and proc.poll() is None and time.monotonic() < deadline:
+    t0 = time.monotonic()
+    while not row_pids() and proc.poll() is None and time.monotonic() < t0 + 120:
         time.sleep(0.1)
     pids = row_pids()
-    assert pids, "the row never started"
+    if not pids:  # (once in a CI run, not reproduced since: say what the suite had done)
+        state = f"had exited with {proc.poll()}" if proc.poll() is not None else "was still running"
+        proc.kill()
+        log.close()
+        row_logs = {p.name: p.read_text()[-1500:] for p in tmp_path.glob("log_*.txt")}
+        raise AssertionError(f"the row never started: after {time.monotonic() - t0:.0f} s the suite {state}; its "
+                             f"output: {(tmp_path / 'suite.log').read_text()[-3000:]!r}; row logs {row_logs}")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
+    log.close()
     time.sleep(0.5)
     alive = [pid for pid in pids if pid_alive(pid)]
     for pid in alive:  # (a failing run's leftovers are cleaned up, then reported)
