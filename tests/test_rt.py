@@ -370,25 +370,27 @@ def test_triton_tile_kernels_equal_the_pytorch_tile(nq, nk, alibi):
         assert not torch.equal(b, s)  # the tile added something
 
 
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nq,nk,alibi", [(16, 16, True), (33, 64, True), (5, 70, False)])
-def test_triton_tile_products_follow_the_calls_autocast_as_the_pytorch_tiles_do(nq, nk, alibi):
-    """Under a tiled call's bf16 autocast both tiles take both operands of every product in bf16 (tensor cores
-    on a GPU), accumulating in fp32: their errors against fp64 are bf16's and of one size (the Triton tile's
-    scores stay fp32, where the PyTorch tile's bf16 product rounds them), far above the fp32 products' error."""
+def test_triton_tile_products_follow_the_calls_autocast_as_the_pytorch_tiles_do(nq, nk, alibi, low):
+    """Under a tiled call's bf16 (fp16) autocast both tiles take both operands of every product in bf16 (fp16;
+    tensor cores on a GPU), accumulating in fp32: their errors against fp64 are that dtype's and of one size (the
+    Triton tile's scores stay fp32, where the PyTorch tile's 16-bit product rounds them), far above the fp32
+    products' error."""
     triton_tile = _interpreted_triton()
     g = torch.Generator().manual_seed(nq * 100 + nk)
     B, H, D = 2, 3, 16
     qs = torch.randn(B, H, nq, D, generator=g)
-    k, v = (torch.randn(B, H, nk, D, generator=g).bfloat16() for _ in range(2))  # as the loop's, under autocast
+    k, v = (torch.randn(B, H, nk, D, generator=g).to(low) for _ in range(2))  # as the loop's, under autocast
     slopes = torch.tensor([0.5, 0.25, 0.125]) if alibi else None
     state = torch.randn(B, H, nq, generator=g), torch.rand(B, H, nq, generator=g) + 0.5, torch.randn(B, H, nq, D, generator=g)
     gq, D_ = torch.randn(B, H, nq, D, generator=g), torch.randn(B, H, nq, generator=g)
     acc = torch.randn(B, nk, H, D, generator=g).transpose(1, 2), torch.randn(B, nk, H, D, generator=g).transpose(1, 2)
 
-    def run(tile, low, lse, dtype=None):
+    def run(tile, products, lse, dtype=None):
         cast = (lambda t: t.to(dtype)) if dtype is not None else (lambda t: t)
         qkv, upd, grads = [cast(t) for t in (qs, k, v)], [cast(t).clone() for t in state], [cast(t).clone() for t in acc]
-        with tiled.products_in(low):
+        with tiled.products_in(products):
             tile.update_tile(*qkv, *upd, slopes, 70, 3)
             if lse is not None:
                 tile.tile_grads(*qkv, cast(gq), cast(D_), cast(lse), slopes, 70, 3, *grads)
@@ -398,14 +400,14 @@ def test_triton_tile_products_follow_the_calls_autocast_as_the_pytorch_tiles_do(
     folded = run(tiled, None, None, torch.float64)
     lse = folded[0] + folded[1].log()
     want = run(tiled, None, lse, torch.float64)
-    errors = {name: max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(run(tile, low, lse.float()), want))
-              for name, tile, low in (("torch bf16", tiled, torch.bfloat16), ("triton bf16", triton_tile, torch.bfloat16),
-                                      ("triton fp32", triton_tile, None))}
+    errors = {name: max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(run(tile, dt, lse.float()), want))
+              for name, tile, dt in (("torch 16-bit", tiled, low), ("triton 16-bit", triton_tile, low),
+                                     ("triton fp32", triton_tile, None))}
     assert errors["triton fp32"] < 1e-5, errors
-    # (here 0.4-0.7x the PyTorch tile's: its fp32 scores; a wrong product is orders of magnitude off, an unrounded
+    # (here 0.4-0.75x the PyTorch tile's: its fp32 scores; a wrong product is orders of magnitude off, an unrounded
     # operand at fp32's error)
-    assert errors["triton bf16"] < errors["torch bf16"], errors
-    assert errors["triton bf16"] > 1000 * errors["triton fp32"], errors
+    assert errors["triton 16-bit"] < errors["torch 16-bit"], errors
+    assert errors["triton 16-bit"] > 1000 * errors["triton fp32"], errors
 
 
 @pytest.mark.parametrize("N,leaf,positions", [(17, 1, "alibi"), (37, 16, "alibi"), (33, 4, "rope")])

@@ -40,8 +40,6 @@ from torch import Tensor
 from kernels import registry
 
 
-
-
 @triton.jit
 def _vec(X, base, idx, stride, ok):
     return tl.load(X + base + idx * stride, mask=ok, other=0.0).to(tl.float32)

@@ -80,9 +80,14 @@ def _scores(q, k, rows, cols, slope, q0, k0, HAS_ALIBI: tl.constexpr, LOW: tl.co
 
 @triton.jit
 def _load2(X, base, idx, stride, dd, ok, LOW: tl.constexpr):
-    """Rows idx of one [n, D] slice (X + base), zero where masked: as fp32, or (LOW, for operands that only
-    enter products) in the products' 16-bit dtype."""
-    return _narrow(tl.load(X + base + idx[:, None] * stride + dd[None, :], mask=ok, other=0.0), LOW % 3)
+    """Rows idx of one [n, D] slice (X + base), zero where masked: as fp32, or (LOW 1, 2, for operands that only
+    enter products) in the products' 16-bit dtype; fp32 in the interpreter's modes (3, 4), whose _dot rounds."""
+    x = tl.load(X + base + idx[:, None] * stride + dd[None, :], mask=ok, other=0.0)
+    if LOW < 3:
+        x = _narrow(x, LOW)
+    else:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
