@@ -20,7 +20,9 @@ graph per position), and vjp_prepare, what they read of the forward computed for
 loop; autograd is used otherwise. A layer may also give a context for its per-position calls, `in_loop(dtype)`
 (RT's: its linear weights cast to the autocast dtype once per loop, which compiled pieces would cast at every
 position). Phase 2 adds the diagonal terms and backpropagates once, batched over all positions, through pre(),
-kv() and post() for the input and parameter gradients.
+kv() and post() for the input and parameter gradients; a layer whose loop calls wrote the gradients at its
+linears' outputs into vjp_prepare's buffers takes kv's and post's from them (`weight_grads`: products over
+all positions, without building those two graphs again).
 
 Both the forward and the backward are functions of tensors, run through kernels/captured.py: in a
 training step on a GPU with train.cuda_graphs on, each is one CUDA graph per layer replayed every step
@@ -398,12 +400,21 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     # phase 2: the batched graphs and the queries' gradient, one at a time, each graph and whatever the next
     # step does not read dropped before it: what the loop read and each graph's saved tensors are the layer's
     # backward's peak (at 512 x 512 tokens a layer's MLP graph alone holds ~9 GB). The parameters' gradients
-    # are summed in the same order as ever (pre, kv, post).
+    # are summed in the same order as ever (pre, kv, post). kv's and post's come from the layer's own products
+    # over what its loop calls wrote into prep (`weight_grads`), where it has them: autograd through kv() and
+    # post() would recompute both and their input gradients, which the loop already took.
+    own = prep is not None and hasattr(layer, "weight_grads")
+    if own:
+        del dK, dV, at  # (the last position's views of prep's buffers)
+        with torch.no_grad():
+            dx_post, grads_kv, grads_post = layer.weight_grads(x, A_in, gZ_total, prep, params)
+        del gZ_total, A_in  # post's input gradient is all the rest needs of post: as much as these held
     prep = at = A = None
-    with torch.enable_grad():
-        K, V = layer.kv(Z.detach().requires_grad_(), offset)
-    grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
-    del K, V, dK, dV
+    if not own:
+        with torch.enable_grad():
+            K, V = layer.kv(Z.detach().requires_grad_(), offset)
+        grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
+        del K, V, dK, dV
     dqs = earlier_keys_grad(qs, Kd, Vd, G, D, lse, layer.slopes, offset)
     del Kd, Vd
     ds_diag = p_diag * ((G * vtd).sum(-1) - D)
@@ -423,11 +434,12 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     summed = [_sum(a, b) for a, b in zip(grads_pre[1:], grads_kv)]
     dx_pre = grads_pre[0]
     del grads_pre, grads_kv
-    with torch.enable_grad():
-        xp = x.detach().requires_grad_()
-        zp = layer.post(xp, A_in)
-    grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
-    return [dx_pre + grads_post[0], *(_sum(a, c) for a, c in zip(summed, grads_post[1:]))]
+    if not own:
+        with torch.enable_grad():
+            xp = x.detach().requires_grad_()
+            zp = layer.post(xp, A_in)
+        dx_post, *grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
+    return [dx_pre + dx_post, *(_sum(a, c) for a, c in zip(summed, grads_post))]
 
 
 def _position_grad(layer, offset: int, dk: Tensor, dv: Tensor, gz: Tensor, A: Tensor, prep, dz_out: Tensor,

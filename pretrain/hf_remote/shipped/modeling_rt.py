@@ -979,12 +979,21 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     # phase 2: the batched graphs and the queries' gradient, one at a time, each graph and whatever the next
     # step does not read dropped before it: what the loop read and each graph's saved tensors are the layer's
     # backward's peak (at 512 x 512 tokens a layer's MLP graph alone holds ~9 GB). The parameters' gradients
-    # are summed in the same order as ever (pre, kv, post).
+    # are summed in the same order as ever (pre, kv, post). kv's and post's come from the layer's own products
+    # over what its loop calls wrote into prep (`weight_grads`), where it has them: autograd through kv() and
+    # post() would recompute both and their input gradients, which the loop already took.
+    own = prep is not None and hasattr(layer, "weight_grads")
+    if own:
+        del dK, dV, at  # (the last position's views of prep's buffers)
+        with torch.no_grad():
+            dx_post, grads_kv, grads_post = layer.weight_grads(x, A_in, gZ_total, prep, params)
+        del gZ_total, A_in  # post's input gradient is all the rest needs of post: as much as these held
     prep = at = A = None
-    with torch.enable_grad():
-        K, V = layer.kv(Z.detach().requires_grad_(), offset)
-    grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
-    del K, V, dK, dV
+    if not own:
+        with torch.enable_grad():
+            K, V = layer.kv(Z.detach().requires_grad_(), offset)
+        grads_kv = torch.autograd.grad((K, V), params, (dK.to(K.dtype), dV.to(V.dtype)), allow_unused=True)
+        del K, V, dK, dV
     dqs = earlier_keys_grad(qs, Kd, Vd, G, D, lse, layer.slopes, offset)
     del Kd, Vd
     ds_diag = p_diag * ((G * vtd).sum(-1) - D)
@@ -1004,11 +1013,12 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     summed = [_sum(a, b) for a, b in zip(grads_pre[1:], grads_kv)]
     dx_pre = grads_pre[0]
     del grads_pre, grads_kv
-    with torch.enable_grad():
-        xp = x.detach().requires_grad_()
-        zp = layer.post(xp, A_in)
-    grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
-    return [dx_pre + grads_post[0], *(_sum(a, c) for a, c in zip(summed, grads_post[1:]))]
+    if not own:
+        with torch.enable_grad():
+            xp = x.detach().requires_grad_()
+            zp = layer.post(xp, A_in)
+        dx_post, *grads_post = torch.autograd.grad(zp, (xp, *params), gZ_total, allow_unused=True)
+    return [dx_pre + dx_post, *(_sum(a, c) for a, c in zip(summed, grads_post))]
 
 
 def _position_grad(layer, offset: int, dk: Tensor, dv: Tensor, gz: Tensor, A: Tensor, prep, dz_out: Tensor,
@@ -2178,8 +2188,17 @@ class LayerView:
     # position's slice: on a GPU every position's kernels are the loop's cost (docs/gpu-results.md).
     def vjp_prepare(self, x: Tensor, a: Tensor, z: Tensor, offset: int) -> "VjpPrep":
         """The forward quantities vjp_kv and vjp_post read, for layer input x, attention outputs a
-        [B, H, N, Dh] and output z at positions offset.. (VjpPrep.at(t) gives position offset + t's)."""
-        return VjpPrep({**self._prep_post(x, a), **self._prep_kv(z)})
+        [B, H, N, Dh] and output z at positions offset.. (VjpPrep.at(t) gives position offset + t's), and the
+        buffers into which they write, position by position, the gradients that weight_grads reads after the
+        loop (`act`, GELU's slope, is overwritten by the gradient at fc1's output)."""
+        prep = VjpPrep({**self._prep_post(x, a), **self._prep_kv(z)})
+        B, N, d = x.shape
+        low = prep["act"].dtype  # the products' dtype: autocast's, or x's without it
+        width = self.block.attn.kv.weight.shape[0]
+        prep.update(dh=x.new_empty(B, N, d), dkv=x.new_empty(B, N, width, dtype=low))
+        if "k" in prep:
+            prep["dkn"] = x.new_empty(B, N, width // 2, dtype=low)
+        return prep
 
     def _prep_kv(self, z: Tensor) -> dict:
         b, attn = self.block, self.block.attn
@@ -2199,7 +2218,9 @@ class LayerView:
         """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh]; prep: this position's slice of vjp_prepare's
         (computed here when not given)."""
         p = prep if prep is not None else VjpPrep(self._prep_kv(z))
-        return self.block.steps.vjp_kv(self.block, dk, dv, p.get("k"), p["z"], self._tables(offset, z.shape[1]))
+        dz, (dkn, dkv) = self.block.steps.vjp_kv(self.block, dk, dv, p.get("k"), p["z"], self._tables(offset, z.shape[1]))
+        _write(p, dkn=dkn, dkv=dkv)
+        return dz
 
     def position_grad(self, offset: int, dk: Tensor, dv: Tensor, gz: Tensor, A: Tensor, prep: "VjpPrep",
                       dz_out: Tensor, g_out: Tensor, D_out: Tensor) -> None:
@@ -2207,13 +2228,84 @@ class LayerView:
         received (dk, dv), the upstream gradient gz, the attention output A and prep (this position's
         vjp_prepare): dL/dz, dL/da and D = <A, dL/da>, written into dz_out, g_out, D_out."""
         self.block.steps.position_grad(self.block, dk, dv, prep.get("k"), prep["z"], self._tables(offset, 1), gz,
-                                       prep["act"], prep["h"], A, dz_out, g_out, D_out)
+                                       prep["act"], prep["h"], A, dz_out, g_out, D_out,
+                                       (prep["dh"], prep["dkv"], prep.get("dkn")))
 
     def vjp_post(self, x: Tensor, a: Tensor, dz: Tensor, prep: "VjpPrep | None" = None) -> Tensor:
         """dL/da of post(x, a) given dL/dz [B, n, d]; a [B, H, n, Dh]; prep as vjp_kv's."""
         p = prep if prep is not None else VjpPrep(self._prep_post(x, a))
-        return self.block.steps.vjp_post(self.block, dz, p["act"], p["h"]).unflatten(-1, (a.shape[1], a.shape[3])) \
-            .transpose(1, 2)
+        g, (dh, du) = self.block.steps.vjp_post(self.block, dz, p["act"], p["h"])
+        if "dh" in p:  # the tiled backward's buffers (act's storage takes du: GELU's slope is read once)
+            _write(p, dh=dh, act=du)
+        return g.unflatten(-1, (a.shape[1], a.shape[3])).transpose(1, 2)
+
+    def weight_grads(self, x: Tensor, a: Tensor, dz: Tensor, prep: "VjpPrep", params: tuple) -> tuple:
+        """After the backward's loop: post's input gradient and the parameter gradients of kv (through the
+        persistent pairs) and of post, each a list aligned with params (None: not read there), from what the loop
+        wrote into prep (the gradients at the k | v projection's, the key norm's and fc1's outputs, and between
+        attention and MLP) and prep's norm statistics; dz: dL/dz of every position. Autograd through kv() and
+        post() again (as for a layer without this) would recompute both, then their input gradients, which the
+        loop already has. Consumes prep, its largest tensors first. RT's linears and norms have no bias.
+
+        A norm's gain and the linear after it share one product: for n = g * xhat and y = n W^T, with M = dy^T
+        xhat, dL/dW = M diag(g) and dL/dg = sum over outputs of W * M, so the loop keeps no gradient at n."""
+        b, attn = self.block, self.block.attn
+        kv, post = {}, {}
+        _gain_and_linear(kv, b.attn_norm, attn.kv, prep.pop("dkv"), prep.pop("z"))
+        if "dkn" in prep:
+            k = prep.pop("k")
+            _norm_grads(kv, attn.k_norm, prep.pop("dkn").view(k.xhat.shape), k)
+        h = prep.pop("h")
+        _gain_and_linear(post, b.ffn_norm, b.ffn.fc1, prep.pop("act"), h)  # act's storage holds fc1's du
+        if b.ffn.fc2.weight.requires_grad:  # fc2 read GELU(fc1(n)): made again, its input gradient not kept
+            gelu = torch.nn.functional.gelu(b.ffn.fc1(_normed(b.ffn_norm, h)))
+            _linear_grads(post, b.ffn.fc2, _scaled(b.scale, dz), gelu)
+            del gelu
+        dh = prep.pop("dh")
+        _linear_grads(post, attn.proj, _scaled(b.scale, dh), a.transpose(1, 2).flatten(2))
+        return dh, [kv.get(id(p)) for p in params], [post.get(id(p)) for p in params]
+
+
+def _write(prep: "VjpPrep", **values) -> None:
+    """A position's gradients into prep's buffers (those it has)."""
+    for name, v in values.items():
+        if name in prep:
+            prep[name].copy_(v.flatten(2) if v.dim() > 3 else v)
+
+
+def _scaled(scale: float, t: Tensor) -> Tensor:
+    return t if scale == 1.0 else scale * t
+
+
+def _normed(norm: nn.Module, stats) -> Tensor:
+    """A gain-only norm's output from its grad_stats: the normalised input times the gain."""
+    return (stats.xhat * norm.weight.to(stats.xhat.dtype)).to(stats.dtype)
+
+
+def _linear_grads(out: dict, linear: nn.Module, dy: Tensor, x: Tensor) -> None:
+    """out[id(weight)] = the gradient of a bias-free linear's weight given dL/d(its output) dy and its input x,
+    over all positions: one product (under autocast in its dtype, as autograd's)."""
+    if linear.weight.requires_grad:
+        out[id(linear.weight)] = (dy.flatten(0, -2).T @ x.flatten(0, -2)).to(linear.weight.dtype)
+
+
+def _gain_and_linear(out: dict, norm: nn.Module, linear: nn.Module, dy: Tensor, stats) -> None:
+    """out[id(p)] = the gradients of a gain-only norm's weight g and the bias-free linear that reads it, given
+    dL/d(the linear's output) dy and the norm's grad_stats (weight_grads says how)."""
+    g, w = norm.weight, linear.weight
+    if not (g.requires_grad or w.requires_grad):
+        return
+    M = (dy.flatten(0, -2).T @ stats.xhat.flatten(0, -2)).to(stats.xhat.dtype)
+    if w.requires_grad:
+        out[id(w)] = (M * g.to(M.dtype)).to(w.dtype)
+    if g.requires_grad:
+        out[id(g)] = (M * w.to(M.dtype)).sum(0).to(g.dtype)
+
+
+def _norm_grads(out: dict, norm: nn.Module, dy: Tensor, stats) -> None:
+    """out[id(weight)] = the gradient of a gain-only norm's weight given dL/d(its output) dy and its grad_stats."""
+    if norm.weight.requires_grad:
+        out[id(norm.weight)] = (dy.to(stats.xhat.dtype) * stats.xhat).flatten(0, -2).sum(0).to(norm.weight.dtype)
 
 
 # -- one position's pieces, as functions of the block and tensors: the tiled loops call them once per position,
@@ -2227,25 +2319,31 @@ def _kv(block: "RTBlock", z: Tensor, rope) -> tuple[Tensor, Tensor]:
     return block.attn.keys(block.attn_norm(z), rope)
 
 
-def _vjp_kv(block: "RTBlock", dk: Tensor, dv: Tensor, k_stats, z_stats, rope) -> Tensor:
+def _vjp_kv(block: "RTBlock", dk: Tensor, dv: Tensor, k_stats, z_stats, rope):
+    """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh], and the gradients at the key norm's output (dkn, heads
+    split) and at the k | v projection's output (dkv)."""
     attn = block.attn
     if rope is not None:  # a rotation's transpose rotates back
         dk = apply_rope(dk, rope[0], -rope[1])
     dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [B, n, H, Dh]
+    dkn = dk  # at the key norm's output
     if attn.qk_norm == "head":
         dk = attn.k_norm.input_grad(None, dk, k_stats).flatten(2)
     elif attn.qk_norm == "full":
         dk = attn.k_norm.input_grad(None, dk.flatten(2), k_stats)
     else:
         dk = dk.flatten(2)
-    return block.attn_norm.input_grad(None, torch.cat([dk, dv.flatten(2)], -1) @ attn.kv.weight, z_stats)
+    dkv = torch.cat([dk, dv.flatten(2)], -1)
+    return block.attn_norm.input_grad(None, dkv @ attn.kv.weight, z_stats), (dkn, dkv)
 
 
-def _vjp_post(block: "RTBlock", dz: Tensor, act: Tensor, h_stats) -> Tensor:
-    """dL/d(the attention outputs, heads flattened) [B, n, H Dh]."""
+def _vjp_post(block: "RTBlock", dz: Tensor, act: Tensor, h_stats):
+    """dL/d(the attention outputs, heads flattened) [B, n, H Dh], and the gradients at the residual stream
+    between attention and MLP (dh) and at fc1's output (du)."""
     d_act = (block.scale * dz) @ block.ffn.fc2.weight
-    dh = dz + block.ffn_norm.input_grad(None, (act * d_act) @ block.ffn.fc1.weight, h_stats)
-    return block.scale * dh @ block.attn.proj.weight
+    du = act * d_act
+    dh = dz + block.ffn_norm.input_grad(None, du @ block.ffn.fc1.weight, h_stats)
+    return block.scale * dh @ block.attn.proj.weight, (dh, du)
 
 
 # A whole position of each loop as one piece, written in place into the loop's buffers: compiled, the writes
@@ -2263,14 +2361,23 @@ def _position_rt(block: "RTBlock", x: Tensor, O: Tensor, l: Tensor, rope, z_out:
 
 
 def _position_grad_rt(block: "RTBlock", dk: Tensor, dv: Tensor, k_stats, z_stats, rope, gz: Tensor, act: Tensor,
-                   h_stats, A: Tensor, dz_out: Tensor, g_out: Tensor, D_out: Tensor) -> None:
+                   h_stats, A: Tensor, dz_out: Tensor, g_out: Tensor, D_out: Tensor, grads_out: tuple) -> None:
     """Position t of the tiled backward: dL/dz (upstream gz plus what z's persistent pair received), the
-    attention gradient g it gives through post(), and D = <A, g> (A in the accumulators' dtype)."""
+    attention gradient g it gives through post(), and D = <A, g> (A in the accumulators' dtype); and into
+    grads_out (dh, dkv, dkn or None) and act's storage (du), what LayerView.weight_grads reads."""
     # no out= arguments: dynamo breaks the graph at them (a kernel more, and the piece's remainder traced apart)
-    dz = (_vjp_kv(block, dk, dv, k_stats, z_stats, rope) + gz).to(dz_out.dtype)
+    dz_kv, (dkn, dkv) = _vjp_kv(block, dk, dv, k_stats, z_stats, rope)
+    dz = (dz_kv + gz).to(dz_out.dtype)
     dz_out.copy_(dz)
-    g_out.copy_(_vjp_post(block, dz, act, h_stats).unflatten(-1, (A.shape[1], A.shape[3])).transpose(1, 2))
+    g, (dh, du) = _vjp_post(block, dz, act, h_stats)
+    g_out.copy_(g.unflatten(-1, (A.shape[1], A.shape[3])).transpose(1, 2))
     D_out.copy_((A * g_out).sum(-1))
+    dh_out, dkv_out, dkn_out = grads_out
+    dh_out.copy_(dh)
+    act.copy_(du)
+    dkv_out.copy_(dkv)
+    if dkn_out is not None:
+        dkn_out.copy_(dkn.flatten(2))
 
 
 class Steps:
