@@ -10,6 +10,8 @@ left out, as the planner counts them apart. The peak grows linearly in the batch
 slope, and the line is carried to the config's micro batch: what a GPU would need for activations before
 it is tried there (the RT 512 x 512 run of 2026-11-29 ran out of an H200's memory in its first step). The
 planner's figure is pretrain/plan.py's (the registry's activation_bytes, bf16_activations under autocast).
+Each row names the code running at its peak: a line carried between peaks in different places (a small
+batch's peak in the loss, a larger one's in a layer's backward) is not one peak's growth, and a note says so.
 A full-size model runs slowly here (rt/300m-12l: about 3 minutes a batch of 8 sequences on one core).
 """
 from __future__ import annotations
@@ -33,10 +35,12 @@ from pretrain.plan import bf16_activations  # noqa: E402
 GIB = 2 ** 30
 
 
-def peak(model, vocab: int, B: int, T: int, bf16: bool) -> int:
-    """Live bytes at the worst moment of one forward and backward of B random sequences of T tokens."""
+def peak(model, vocab: int, B: int, T: int, bf16: bool) -> tuple[int, str]:
+    """Live bytes at the worst moment of one forward and backward of B random sequences of T tokens, and the
+    code running then (file:function:line)."""
     tokens = torch.randint(5, vocab, (B, T), generator=torch.Generator().manual_seed(B))
-    return step_peak(model, tokens, bf16)
+    where: list[str] = []
+    return step_peak(model, tokens, bf16, where), where[0]
 
 
 def main(argv=None) -> int:
@@ -73,14 +77,18 @@ def main(argv=None) -> int:
         print(f"note: model.loss_chunk={chunk} is not below the smallest batch's {batches[0] * T} positions: where "
               "the loss is the peak, that peak stops growing once the batch passes the chunk, and the line carried "
               f"from these batches is not the config's; add model.loss_chunk={batches[0] * T // 4} to measure the rest")
-    print(f"{'micro batch':>11} {'measured GiB':>12} {'planner GiB':>11} {'planner/measured':>16} {'seconds':>8}")
-    got = {}
+    print(f"{'micro batch':>11} {'measured GiB':>12} {'planner GiB':>11} {'planner/measured':>16} {'seconds':>8}  "
+          "peak in")
+    got, at_code = {}, {}
     for B in batches:
         t0 = time.perf_counter()
-        got[B] = peak(model, cfg.model.vocab_size, B, T, bf16)
+        got[B], at_code[B] = peak(model, cfg.model.vocab_size, B, T, bf16)
         print(f"{B:>11} {got[B] / GIB:>12.3f} {planner(B) / GIB:>11.3f} {planner(B) / got[B]:>16.2f} "
-              f"{time.perf_counter() - t0:>8.0f}", flush=True)
+              f"{time.perf_counter() - t0:>8.0f}  {at_code[B]}", flush=True)
     lo, hi = batches[0], batches[-1]
+    if at_code[lo].rsplit(":", 1)[0] != at_code[hi].rsplit(":", 1)[0]:
+        print(f"note: the peaks of batches {lo} and {hi} are in different code, so the line between them is not one "
+              "peak's growth per sequence; measure larger batches, whose peaks are in the same place")
     slope = (got[hi] - got[lo]) / (hi - lo)
     mb = cfg.train.micro_batch_seqs
     at = got[hi] + slope * (mb - hi)

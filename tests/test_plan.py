@@ -3,11 +3,13 @@ and shape-checked on the meta device in seconds, and the weight, gradient and op
 planner gives each rank equal what a real run's ranks hold, on one process, PP2 and TP2."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from distributed import run_ranks
 from trainer_helpers import tiny_overrides, write_markov_corpus
@@ -345,4 +347,24 @@ def test_activation_peak_prints_each_batch_beside_the_planner_and_notes_a_chunk_
     assert lines[1].startswith("note: model.loss_chunk=256 is not below the smallest batch's 128 positions")
     rows = [line.split() for line in lines[3:5]]
     assert [row[0] for row in rows] == ["1", "2"] and all(float(row[1]) > 0 and float(row[2]) > 0 for row in rows)
-    assert lines[5].startswith("per sequence ") and "at the config's micro batch" in lines[5]
+    # each row names the code at its peak (with the chunk this large, the loss's forward)
+    assert all(re.fullmatch(r"kernels/lm_loss/\w+\.py:\w+:\d+", row[-1]) for row in rows), rows
+    assert lines[-1].startswith("per sequence ") and "at the config's micro batch" in lines[-1]
+
+
+def test_live_bytes_names_the_code_running_at_the_peak():
+    from live_memory import LiveBytes
+
+    def small():
+        return torch.ones(100)
+
+    def large():
+        return torch.ones(10_000)
+
+    with LiveBytes(where=True) as live:
+        kept = small()
+        dropped = large()
+        del dropped
+        kept = kept + small()  # less than large() made: no new peak
+    assert live.where.startswith("tests/test_plan.py:large:"), live.where
+    assert LiveBytes().where is None  # not asked for: no frame walked at each new peak
