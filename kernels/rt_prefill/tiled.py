@@ -356,17 +356,23 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     # phase 0: the values only; phase 2 rebuilds pre's and kv's graphs one at a time when it backpropagates
     # through them. Held through the loop, their saved tensors (the norms' float32 copies among them) were a
     # quarter of its peak (benchmarks/activation_peak.py), for ~5 d^2 multiply-adds per token to recompute.
+    # A layer with `pre_grads` keeps instead what it reads of pre's forward (`pre_kept`: RT's projections
+    # before their norms) and backpropagates through pre itself, without its graph.
+    pre_grads = getattr(layer, "pre_grads", None)
     with torch.no_grad():
-        q, kt, vt = layer.pre(x, offset)
+        q, kt, vt, *kept = layer.pre_kept(x, offset) if pre_grads is not None else layer.pre(x, offset)
         K, V = layer.kv(Z, offset)
     qs = (q.to(dtype) * layer.scale).contiguous()
-    ktd, vtd = kt.to(dtype), vt.to(dtype)
     Kd, Vd = K.contiguous(), V.contiguous()  # head-major, as the forward's (no copy per tile)
-    del q, kt, vt, K, V
-    p_diag = torch.exp((qs * ktd).sum(-1) - lse)
+    pre_dtypes = q.dtype, kt.dtype, vt.dtype
+    # the temporary pairs through the loop in their own dtype (bf16 under autocast: half the accumulators'),
+    # widened again after it; v apart from the k | v projection's output it is a view of
+    vt = vt.contiguous()
+    del q, K, V
+    p_diag = torch.exp((qs * kt.to(dtype)).sum(-1) - lse)
     # the attention outputs, rebuilt from the log-sum-exp: the temporary pairs' part, then the persistent keys'
     # for all positions at once (they do not depend on the loop below, which once rebuilt them tile by tile)
-    A = p_diag[..., None] * vtd + earlier_keys(qs, Kd, Vd, lse, layer.slopes, offset)
+    A = p_diag[..., None] * vt.to(dtype) + earlier_keys(qs, Kd, Vd, lse, layer.slopes, offset)
     A_in = A.to(x.dtype)
     # dK, dV position-major: phase 1 hands each position's slice to vjp_kv, which flattens its heads (a view
     # in this layout, a copy in the head-major one)
@@ -417,18 +423,25 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
         del K, V, dK, dV
     dqs = earlier_keys_grad(qs, Kd, Vd, G, D, lse, layer.slopes, offset)
     del Kd, Vd
+    ktd, vtd = kt.to(dtype), vt.to(dtype)
+    del kt, vt
     ds_diag = p_diag * ((G * vtd).sum(-1) - D)
     dqs += ds_diag[..., None] * ktd
     d_kt = ds_diag[..., None] * qs
     d_vt = p_diag[..., None] * G
     del G, ds_diag, qs, ktd, vtd, p_diag
-    with torch.enable_grad():
-        xd = x.detach().requires_grad_()
-        q, kt, vt = layer.pre(xd, offset)
-    inputs = (xd, *params)
-    grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
-                                                          d_vt.to(vt.dtype)), allow_unused=True)
-    del q, kt, vt, dqs, d_kt, d_vt
+    d_pre = [(dqs * layer.scale).to(pre_dtypes[0]), d_kt.to(pre_dtypes[1]), d_vt.to(pre_dtypes[2])]
+    del dqs, d_kt, d_vt
+    if pre_grads is not None:
+        with torch.no_grad():
+            grads_pre = pre_grads(x, offset, kept, *d_pre, params)
+    else:
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            q, kt, vt = layer.pre(xd, offset)
+        grads_pre = torch.autograd.grad((q, kt, vt), (xd, *params), d_pre, allow_unused=True)
+        del q, kt, vt
+    del d_pre, kept
     # each parameter's pre + kv now (the order the sum has always had), so that at most three sets of the
     # layer's parameter gradients are alive at once, not five
     summed = [_sum(a, b) for a, b in zip(grads_pre[1:], grads_kv)]

@@ -134,6 +134,46 @@ class LayerView:
         xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
         return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
 
+    def pre_kept(self, x: Tensor, offset: int):
+        """pre(x) (the same operations as Attention.queries and keys with RT's QK-norm), and what pre_grads
+        reads of it: the query and key projections before their norms (in the products' dtype: under autocast
+        bf16, 4 bytes a token and model dimension kept through the backward's loop)."""
+        b, attn = self.block, self.block.attn
+        xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
+        q_pre = attn.q(xn)
+        k_pre, v = attn.kv(xn).unflatten(-1, (2, -1)).unbind(-2)
+        q, k, v = attn._heads(q_pre, attn.q_norm), attn._heads(k_pre, attn.k_norm), attn._heads(v, None)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v, q_pre, k_pre.contiguous()
+
+    def pre_grads(self, x: Tensor, offset: int, kept: list, dq: Tensor, dk: Tensor, dv: Tensor, params: tuple) -> list:
+        """[dL/dx, *the parameter gradients (aligned with params; None: not read by pre)] of pre(x), given the
+        gradients at its outputs q, k, v [B, H, N, Dh] and pre_kept's projections: its backward without its
+        autograd graph (which held the norms' float32 copies of every input), one product per matrix."""
+        b, attn = self.block, self.block.attn
+        rope, out = self._tables(offset, x.shape[1]), {}
+        q_pre, k_pre = kept
+
+        def through_norm(d: Tensor, pre: Tensor, norm: nn.Module) -> Tensor:
+            if rope is not None:  # a rotation's transpose rotates back
+                d = apply_rope(d, rope[0], -rope[1])
+            d = d.transpose(1, 2)  # [B, N, H, Dh]
+            if attn.qk_norm == "full":
+                d, stats = d.flatten(2), norm.grad_stats(pre)
+            else:
+                stats = norm.grad_stats(pre.unflatten(-1, (-1, attn.head_dim)))
+            _norm_grads(out, norm, d, stats)
+            return norm.input_grad(None, d, stats).flatten(2)
+
+        dq = through_norm(dq, q_pre, attn.q_norm)
+        dkv = torch.cat([through_norm(dk, k_pre, attn.k_norm), dv.transpose(1, 2).flatten(2)], -1)
+        xs = b.attn_norm.grad_stats(x)
+        _gain_and_linear(out, b.attn_norm, attn.q, dq, xs)
+        _gain_and_linear(out, b.attn_norm, attn.kv, dkv, xs)
+        dn = (dq @ attn.q.weight).to(x.dtype) + (dkv @ attn.kv.weight).to(x.dtype)
+        return [b.attn_norm.input_grad(None, dn, xs), *(out.get(id(p)) for p in params)]
+
     # One position (the loops' calls) through the block's steps, compiled under train.compile; the backward's
     # batched calls over all positions as written: compiled too they would take a second cache entry per
     # piece and shape (dynamo keeps 8), for a handful of kernels in all.
@@ -293,8 +333,9 @@ def _gain_and_linear(out: dict, norm: nn.Module, linear: nn.Module, dy: Tensor, 
     M = (dy.flatten(0, -2).T @ stats.xhat.flatten(0, -2)).to(stats.xhat.dtype)
     if w.requires_grad:
         out[id(w)] = (M * g.to(M.dtype)).to(w.dtype)
-    if g.requires_grad:
-        out[id(g)] = (M * w.to(M.dtype)).sum(0).to(g.dtype)
+    if g.requires_grad:  # added to what other linears reading the norm gave (pre's q and k | v)
+        dg = (M * w.to(M.dtype)).sum(0).to(g.dtype)
+        out[id(g)] = out[id(g)] + dg if id(g) in out else dg
 
 
 def _norm_grads(out: dict, norm: nn.Module, dy: Tensor, stats) -> None:

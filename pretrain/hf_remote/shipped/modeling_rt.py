@@ -935,17 +935,23 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     # phase 0: the values only; phase 2 rebuilds pre's and kv's graphs one at a time when it backpropagates
     # through them. Held through the loop, their saved tensors (the norms' float32 copies among them) were a
     # quarter of its peak (benchmarks/activation_peak.py), for ~5 d^2 multiply-adds per token to recompute.
+    # A layer with `pre_grads` keeps instead what it reads of pre's forward (`pre_kept`: RT's projections
+    # before their norms) and backpropagates through pre itself, without its graph.
+    pre_grads = getattr(layer, "pre_grads", None)
     with torch.no_grad():
-        q, kt, vt = layer.pre(x, offset)
+        q, kt, vt, *kept = layer.pre_kept(x, offset) if pre_grads is not None else layer.pre(x, offset)
         K, V = layer.kv(Z, offset)
     qs = (q.to(dtype) * layer.scale).contiguous()
-    ktd, vtd = kt.to(dtype), vt.to(dtype)
     Kd, Vd = K.contiguous(), V.contiguous()  # head-major, as the forward's (no copy per tile)
-    del q, kt, vt, K, V
-    p_diag = torch.exp((qs * ktd).sum(-1) - lse)
+    pre_dtypes = q.dtype, kt.dtype, vt.dtype
+    # the temporary pairs through the loop in their own dtype (bf16 under autocast: half the accumulators'),
+    # widened again after it; v apart from the k | v projection's output it is a view of
+    vt = vt.contiguous()
+    del q, K, V
+    p_diag = torch.exp((qs * kt.to(dtype)).sum(-1) - lse)
     # the attention outputs, rebuilt from the log-sum-exp: the temporary pairs' part, then the persistent keys'
     # for all positions at once (they do not depend on the loop below, which once rebuilt them tile by tile)
-    A = p_diag[..., None] * vtd + earlier_keys(qs, Kd, Vd, lse, layer.slopes, offset)
+    A = p_diag[..., None] * vt.to(dtype) + earlier_keys(qs, Kd, Vd, lse, layer.slopes, offset)
     A_in = A.to(x.dtype)
     # dK, dV position-major: phase 1 hands each position's slice to vjp_kv, which flattens its heads (a view
     # in this layout, a copy in the head-major one)
@@ -996,18 +1002,25 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
         del K, V, dK, dV
     dqs = earlier_keys_grad(qs, Kd, Vd, G, D, lse, layer.slopes, offset)
     del Kd, Vd
+    ktd, vtd = kt.to(dtype), vt.to(dtype)
+    del kt, vt
     ds_diag = p_diag * ((G * vtd).sum(-1) - D)
     dqs += ds_diag[..., None] * ktd
     d_kt = ds_diag[..., None] * qs
     d_vt = p_diag[..., None] * G
     del G, ds_diag, qs, ktd, vtd, p_diag
-    with torch.enable_grad():
-        xd = x.detach().requires_grad_()
-        q, kt, vt = layer.pre(xd, offset)
-    inputs = (xd, *params)
-    grads_pre = torch.autograd.grad((q, kt, vt), inputs, ((dqs * layer.scale).to(q.dtype), d_kt.to(kt.dtype),
-                                                          d_vt.to(vt.dtype)), allow_unused=True)
-    del q, kt, vt, dqs, d_kt, d_vt
+    d_pre = [(dqs * layer.scale).to(pre_dtypes[0]), d_kt.to(pre_dtypes[1]), d_vt.to(pre_dtypes[2])]
+    del dqs, d_kt, d_vt
+    if pre_grads is not None:
+        with torch.no_grad():
+            grads_pre = pre_grads(x, offset, kept, *d_pre, params)
+    else:
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            q, kt, vt = layer.pre(xd, offset)
+        grads_pre = torch.autograd.grad((q, kt, vt), (xd, *params), d_pre, allow_unused=True)
+        del q, kt, vt
+    del d_pre, kept
     # each parameter's pre + kv now (the order the sum has always had), so that at most three sets of the
     # layer's parameter gradients are alive at once, not five
     summed = [_sum(a, b) for a, b in zip(grads_pre[1:], grads_kv)]
@@ -2139,6 +2152,46 @@ class LayerView:
         xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
         return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
 
+    def pre_kept(self, x: Tensor, offset: int):
+        """pre(x) (the same operations as Attention.queries and keys with RT's QK-norm), and what pre_grads
+        reads of it: the query and key projections before their norms (in the products' dtype: under autocast
+        bf16, 4 bytes a token and model dimension kept through the backward's loop)."""
+        b, attn = self.block, self.block.attn
+        xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
+        q_pre = attn.q(xn)
+        k_pre, v = attn.kv(xn).unflatten(-1, (2, -1)).unbind(-2)
+        q, k, v = attn._heads(q_pre, attn.q_norm), attn._heads(k_pre, attn.k_norm), attn._heads(v, None)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v, q_pre, k_pre.contiguous()
+
+    def pre_grads(self, x: Tensor, offset: int, kept: list, dq: Tensor, dk: Tensor, dv: Tensor, params: tuple) -> list:
+        """[dL/dx, *the parameter gradients (aligned with params; None: not read by pre)] of pre(x), given the
+        gradients at its outputs q, k, v [B, H, N, Dh] and pre_kept's projections: its backward without its
+        autograd graph (which held the norms' float32 copies of every input), one product per matrix."""
+        b, attn = self.block, self.block.attn
+        rope, out = self._tables(offset, x.shape[1]), {}
+        q_pre, k_pre = kept
+
+        def through_norm(d: Tensor, pre: Tensor, norm: nn.Module) -> Tensor:
+            if rope is not None:  # a rotation's transpose rotates back
+                d = apply_rope(d, rope[0], -rope[1])
+            d = d.transpose(1, 2)  # [B, N, H, Dh]
+            if attn.qk_norm == "full":
+                d, stats = d.flatten(2), norm.grad_stats(pre)
+            else:
+                stats = norm.grad_stats(pre.unflatten(-1, (-1, attn.head_dim)))
+            _norm_grads(out, norm, d, stats)
+            return norm.input_grad(None, d, stats).flatten(2)
+
+        dq = through_norm(dq, q_pre, attn.q_norm)
+        dkv = torch.cat([through_norm(dk, k_pre, attn.k_norm), dv.transpose(1, 2).flatten(2)], -1)
+        xs = b.attn_norm.grad_stats(x)
+        _gain_and_linear(out, b.attn_norm, attn.q, dq, xs)
+        _gain_and_linear(out, b.attn_norm, attn.kv, dkv, xs)
+        dn = (dq @ attn.q.weight).to(x.dtype) + (dkv @ attn.kv.weight).to(x.dtype)
+        return [b.attn_norm.input_grad(None, dn, xs), *(out.get(id(p)) for p in params)]
+
     # One position (the loops' calls) through the block's steps, compiled under train.compile; the backward's
     # batched calls over all positions as written: compiled too they would take a second cache entry per
     # piece and shape (dynamo keeps 8), for a handful of kernels in all.
@@ -2298,8 +2351,9 @@ def _gain_and_linear(out: dict, norm: nn.Module, linear: nn.Module, dy: Tensor, 
     M = (dy.flatten(0, -2).T @ stats.xhat.flatten(0, -2)).to(stats.xhat.dtype)
     if w.requires_grad:
         out[id(w)] = (M * g.to(M.dtype)).to(w.dtype)
-    if g.requires_grad:
-        out[id(g)] = (M * w.to(M.dtype)).sum(0).to(g.dtype)
+    if g.requires_grad:  # added to what other linears reading the norm gave (pre's q and k | v)
+        dg = (M * w.to(M.dtype)).sum(0).to(g.dtype)
+        out[id(g)] = out[id(g)] + dg if id(g) in out else dg
 
 
 def _norm_grads(out: dict, norm: nn.Module, dy: Tensor, stats) -> None:
