@@ -135,17 +135,13 @@ class LayerView:
         return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
 
     def pre_kept(self, x: Tensor, offset: int):
-        """pre(x) (the same operations as Attention.queries and keys with RT's QK-norm), and what pre_grads
-        reads of it: the query and key projections before their norms (in the products' dtype: under autocast
-        bf16, 4 bytes a token and model dimension kept through the backward's loop)."""
-        b, attn = self.block, self.block.attn
+        """pre(x), and what pre_grads reads of it: the query and key projections before their norms (in the
+        products' dtype: under autocast bf16, 4 bytes a token and model dimension kept through the backward's
+        loop; the key's copied out of the k | v projection's output, which is not kept)."""
+        b, kept = self.block, []
         xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
-        q_pre = attn.q(xn)
-        k_pre, v = attn.kv(xn).unflatten(-1, (2, -1)).unbind(-2)
-        q, k, v = attn._heads(q_pre, attn.q_norm), attn._heads(k_pre, attn.k_norm), attn._heads(v, None)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k, v, q_pre, k_pre.contiguous()
+        q, (k, v) = b.attn.queries(xn, rope, kept), b.attn.keys(xn, rope, kept)
+        return q, k, v, kept[0], kept[1].contiguous()
 
     def pre_grads(self, x: Tensor, offset: int, kept: list, dq: Tensor, dk: Tensor, dv: Tensor, params: tuple) -> list:
         """[dL/dx, *the parameter gradients (aligned with params; None: not read by pre)] of pre(x), given the

@@ -987,16 +987,22 @@ class Attention(nn.Module):
             x = norm(x)
         return x.transpose(1, 2)
 
-    def queries(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """[B, T, d] -> q [B, H, T, Dh]: projected, QK-normed, rotated when the block uses RoPE."""
+    def queries(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kept: list | None = None) -> Tensor:
+        """[B, T, d] -> q [B, H, T, Dh]: projected, QK-normed, rotated when the block uses RoPE. kept: a list
+        the projection before its QK-norm is appended to (a custom backward's, RT's; QK-normed blocks only)."""
         if self.qk_norm == "none":
             q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         else:
-            q = self._heads(self.q(x), self.q_norm)
+            q = self.q(x)
+            if kept is not None:
+                kept.append(q)
+            q = self._heads(q, self.q_norm)
         return apply_rope(q, *rope) if self.positions == "rope" else q
 
-    def keys(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """[B, T, d] -> k, v [B, H_kv, T, Dh]: projected, k QK-normed and rotated as the queries are."""
+    def keys(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None,
+             kept: list | None = None) -> tuple[Tensor, Tensor]:
+        """[B, T, d] -> k, v [B, H_kv, T, Dh]: projected, k QK-normed and rotated as the queries are; kept as
+        queries' (k's projection, a view of k | v's)."""
         if self.kv_rank:
             c = self.kv_down(x)
             k, v = self._heads(self.k_up(c), getattr(self, "k_norm", None)), self._heads(self.v_up(c), None)
@@ -1004,6 +1010,8 @@ class Attention(nn.Module):
             k, v = self.kv(x).unflatten(-1, (2, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
         else:
             k, v = self.kv(x).unflatten(-1, (2, -1)).unbind(-2)
+            if kept is not None:
+                kept.append(k)
             k, v = self._heads(k, self.k_norm), self._heads(v, None)
         return (apply_rope(k, *rope) if self.positions == "rope" else k), v
 

@@ -1720,16 +1720,22 @@ class Attention(nn.Module):
             x = norm(x)
         return x.transpose(1, 2)
 
-    def queries(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """[B, T, d] -> q [B, H, T, Dh]: projected, QK-normed, rotated when the block uses RoPE."""
+    def queries(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None, kept: list | None = None) -> Tensor:
+        """[B, T, d] -> q [B, H, T, Dh]: projected, QK-normed, rotated when the block uses RoPE. kept: a list
+        the projection before its QK-norm is appended to (a custom backward's, RT's; QK-normed blocks only)."""
         if self.qk_norm == "none":
             q = self.q(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
         else:
-            q = self._heads(self.q(x), self.q_norm)
+            q = self.q(x)
+            if kept is not None:
+                kept.append(q)
+            q = self._heads(q, self.q_norm)
         return apply_rope(q, *rope) if self.positions == "rope" else q
 
-    def keys(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """[B, T, d] -> k, v [B, H_kv, T, Dh]: projected, k QK-normed and rotated as the queries are."""
+    def keys(self, x: Tensor, rope: tuple[Tensor, Tensor] | None = None,
+             kept: list | None = None) -> tuple[Tensor, Tensor]:
+        """[B, T, d] -> k, v [B, H_kv, T, Dh]: projected, k QK-normed and rotated as the queries are; kept as
+        queries' (k's projection, a view of k | v's)."""
         if self.kv_rank:
             c = self.kv_down(x)
             k, v = self._heads(self.k_up(c), getattr(self, "k_norm", None)), self._heads(self.v_up(c), None)
@@ -1737,6 +1743,8 @@ class Attention(nn.Module):
             k, v = self.kv(x).unflatten(-1, (2, -1, self.head_dim)).permute(2, 0, 3, 1, 4)
         else:
             k, v = self.kv(x).unflatten(-1, (2, -1)).unbind(-2)
+            if kept is not None:
+                kept.append(k)
             k, v = self._heads(k, self.k_norm), self._heads(v, None)
         return (apply_rope(k, *rope) if self.positions == "rope" else k), v
 
@@ -2153,17 +2161,13 @@ class LayerView:
         return (b.attn.queries(xn, rope), *b.attn.keys(xn, rope))
 
     def pre_kept(self, x: Tensor, offset: int):
-        """pre(x) (the same operations as Attention.queries and keys with RT's QK-norm), and what pre_grads
-        reads of it: the query and key projections before their norms (in the products' dtype: under autocast
-        bf16, 4 bytes a token and model dimension kept through the backward's loop)."""
-        b, attn = self.block, self.block.attn
+        """pre(x), and what pre_grads reads of it: the query and key projections before their norms (in the
+        products' dtype: under autocast bf16, 4 bytes a token and model dimension kept through the backward's
+        loop; the key's copied out of the k | v projection's output, which is not kept)."""
+        b, kept = self.block, []
         xn, rope = b.attn_norm(x), self._tables(offset, x.shape[1])
-        q_pre = attn.q(xn)
-        k_pre, v = attn.kv(xn).unflatten(-1, (2, -1)).unbind(-2)
-        q, k, v = attn._heads(q_pre, attn.q_norm), attn._heads(k_pre, attn.k_norm), attn._heads(v, None)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k, v, q_pre, k_pre.contiguous()
+        q, (k, v) = b.attn.queries(xn, rope, kept), b.attn.keys(xn, rope, kept)
+        return q, k, v, kept[0], kept[1].contiguous()
 
     def pre_grads(self, x: Tensor, offset: int, kept: list, dq: Tensor, dk: Tensor, dv: Tensor, params: tuple) -> list:
         """[dL/dx, *the parameter gradients (aligned with params; None: not read by pre)] of pre(x), given the
