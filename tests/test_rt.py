@@ -623,6 +623,29 @@ def test_one_piece_positions_give_the_bits_of_the_pieces_apart(positions):
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), (dtype, amp)
 
 
+class _AutogradPhase2(LayerView):
+    """RT's layer with phase 2 through autograd: pre's, kv's and post's graphs built again over all positions."""
+    pre_grads = weight_grads = None
+
+
+@pytest.mark.parametrize("positions,qk_norm", [("alibi", "full"), ("rope", "head")])
+def test_the_hand_written_phase_2_runs_a_bf16_model_as_autograd_does(positions, qk_norm):
+    """The layer's own pre_grads and weight_grads on a model whose weights are bf16, without autocast (a
+    Hugging Face user's torch_dtype=bfloat16): every gradient within bf16 rounding of autograd's phase 2."""
+    model = model_of(dtype=torch.bfloat16, d_model=32, positions=positions, qk_norm=qk_norm)
+    view = layer_of(model, 33)
+    runs = []
+    for cls in (LayerView, _AutogradPhase2):
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(2, 33, 32, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+        z = tiled.prefill(x, cls(view.block, view.rope, 0), 1)
+        (z.float() * torch.linspace(-1, 1, z.numel()).view_as(z)).sum().backward()
+        runs.append([x.grad, *(p.grad for p in view.block.parameters())])
+    for name, a, b in zip(["x", *(n for n, _ in view.block.named_parameters())], *runs, strict=True):
+        assert a.dtype == b.dtype == torch.bfloat16, name
+        assert (a.float() - b.float()).norm() <= 0.02 * b.float().norm(), name
+
+
 @pytest.mark.slow  # compiles the per-position pieces twice (weights fp32 and bf16): ~20 s on 2 cores
 def test_the_compiled_pieces_reading_weights_cast_once_give_the_same_bits():
     from pretrain.models.rt import Steps

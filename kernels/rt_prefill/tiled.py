@@ -409,7 +409,7 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     # are summed in the same order as ever (pre, kv, post). kv's and post's come from the layer's own products
     # over what its loop calls wrote into prep (`weight_grads`), where it has them: autograd through kv() and
     # post() would recompute both and their input gradients, which the loop already took.
-    own = prep is not None and hasattr(layer, "weight_grads")
+    own = prep is not None and getattr(layer, "weight_grads", None) is not None
     if own:
         del dK, dV, at  # (the last position's views of prep's buffers)
         with torch.no_grad():

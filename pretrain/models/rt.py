@@ -276,7 +276,7 @@ class LayerView:
         wrote into prep (the gradients at the k | v projection's, the key norm's and fc1's outputs, and between
         attention and MLP) and prep's norm statistics; dz: dL/dz of every position. Autograd through kv() and
         post() again (as for a layer without this) would recompute both, then their input gradients, which the
-        loop already has. Consumes prep, its largest tensors first. RT's linears and norms have no bias.
+        loop already has. Consumes prep (each tensor dropped once read). RT's linears and norms have no bias.
 
         A norm's gain and the linear after it share one product: for n = g * xhat and y = n W^T, with M = dy^T
         xhat, dL/dW = M diag(g) and dL/dg = sum over outputs of W * M, so the loop keeps no gradient at n."""
@@ -326,7 +326,7 @@ def _gain_and_linear(out: dict, norm: nn.Module, linear: nn.Module, dy: Tensor, 
     g, w = norm.weight, linear.weight
     if not (g.requires_grad or w.requires_grad):
         return
-    M = (dy.flatten(0, -2).T @ stats.xhat.flatten(0, -2)).to(stats.xhat.dtype)
+    M = (dy.flatten(0, -2).T @ stats.xhat.flatten(0, -2).to(dy.dtype)).to(stats.xhat.dtype)
     if w.requires_grad:
         out[id(w)] = (M * g.to(M.dtype)).to(w.dtype)
     if g.requires_grad:  # added to what other linears reading the norm gave (pre's q and k | v)

@@ -988,7 +988,7 @@ def _backward_with(layer, leaf: int, offset: int, params: tuple, ops, x: Tensor,
     # are summed in the same order as ever (pre, kv, post). kv's and post's come from the layer's own products
     # over what its loop calls wrote into prep (`weight_grads`), where it has them: autograd through kv() and
     # post() would recompute both and their input gradients, which the loop already took.
-    own = prep is not None and hasattr(layer, "weight_grads")
+    own = prep is not None and getattr(layer, "weight_grads", None) is not None
     if own:
         del dK, dV, at  # (the last position's views of prep's buffers)
         with torch.no_grad():
@@ -2302,7 +2302,7 @@ class LayerView:
         wrote into prep (the gradients at the k | v projection's, the key norm's and fc1's outputs, and between
         attention and MLP) and prep's norm statistics; dz: dL/dz of every position. Autograd through kv() and
         post() again (as for a layer without this) would recompute both, then their input gradients, which the
-        loop already has. Consumes prep, its largest tensors first. RT's linears and norms have no bias.
+        loop already has. Consumes prep (each tensor dropped once read). RT's linears and norms have no bias.
 
         A norm's gain and the linear after it share one product: for n = g * xhat and y = n W^T, with M = dy^T
         xhat, dL/dW = M diag(g) and dL/dg = sum over outputs of W * M, so the loop keeps no gradient at n."""
@@ -2352,7 +2352,7 @@ def _gain_and_linear(out: dict, norm: nn.Module, linear: nn.Module, dy: Tensor, 
     g, w = norm.weight, linear.weight
     if not (g.requires_grad or w.requires_grad):
         return
-    M = (dy.flatten(0, -2).T @ stats.xhat.flatten(0, -2)).to(stats.xhat.dtype)
+    M = (dy.flatten(0, -2).T @ stats.xhat.flatten(0, -2).to(dy.dtype)).to(stats.xhat.dtype)
     if w.requires_grad:
         out[id(w)] = (M * g.to(M.dtype)).to(w.dtype)
     if g.requires_grad:  # added to what other linears reading the norm gave (pre's q and k | v)
