@@ -2178,15 +2178,10 @@ class LayerView:
         q_pre, k_pre = kept
 
         def through_norm(d: Tensor, pre: Tensor, norm: nn.Module) -> Tensor:
-            if rope is not None:  # a rotation's transpose rotates back
-                d = apply_rope(d, rope[0], -rope[1])
-            d = d.transpose(1, 2)  # [B, N, H, Dh]
-            if attn.qk_norm == "full":
-                d, stats = d.flatten(2), norm.grad_stats(pre)
-            else:
-                stats = norm.grad_stats(pre.unflatten(-1, (-1, attn.head_dim)))
-            _norm_grads(out, norm, d, stats)
-            return norm.input_grad(None, d, stats).flatten(2)
+            stats = norm.grad_stats(pre if attn.qk_norm == "full" else pre.unflatten(-1, (-1, attn.head_dim)))
+            d_out, d_in = _qk_norm_grad(attn, norm, d, stats, rope)
+            _norm_grads(out, norm, d_out.reshape(stats.xhat.shape), stats)
+            return d_in
 
         dq = through_norm(dq, q_pre, attn.q_norm)
         dkv = torch.cat([through_norm(dk, k_pre, attn.k_norm), dv.transpose(1, 2).flatten(2)], -1)
@@ -2381,18 +2376,22 @@ def _vjp_kv(block: "RTBlock", dk: Tensor, dv: Tensor, k_stats, z_stats, rope):
     """dL/dz of kv(z) given dL/dk, dL/dv [B, H, n, Dh], and the gradients at the key norm's output (dkn, heads
     split) and at the k | v projection's output (dkv)."""
     attn = block.attn
-    if rope is not None:  # a rotation's transpose rotates back
-        dk = apply_rope(dk, rope[0], -rope[1])
-    dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)  # [B, n, H, Dh]
-    dkn = dk  # at the key norm's output
-    if attn.qk_norm == "head":
-        dk = attn.k_norm.input_grad(None, dk, k_stats).flatten(2)
-    elif attn.qk_norm == "full":
-        dk = attn.k_norm.input_grad(None, dk.flatten(2), k_stats)
-    else:
-        dk = dk.flatten(2)
-    dkv = torch.cat([dk, dv.flatten(2)], -1)
+    dkn, dk = _qk_norm_grad(attn, getattr(attn, "k_norm", None), dk, k_stats, rope)
+    dkv = torch.cat([dk, dv.transpose(1, 2).flatten(2)], -1)
     return block.attn_norm.input_grad(None, dkv @ attn.kv.weight, z_stats), (dkn, dkv)
+
+
+def _qk_norm_grad(attn, norm, d: Tensor, stats, rope):
+    """Given the gradient d [B, H, n, Dh] at a query's or key's heads (QK-normed, then rotated): the gradient
+    at the norm's output [B, n, H, Dh] and at its input [B, n, H Dh] (the projection's output)."""
+    if rope is not None:  # a rotation's transpose rotates back
+        d = apply_rope(d, rope[0], -rope[1])
+    d = d.transpose(1, 2)  # [B, n, H, Dh]
+    if attn.qk_norm == "head":
+        return d, norm.input_grad(None, d, stats).flatten(2)
+    if attn.qk_norm == "full":
+        return d, norm.input_grad(None, d.flatten(2), stats)
+    return d, d.flatten(2)
 
 
 def _vjp_post(block: "RTBlock", dz: Tensor, act: Tensor, h_stats):
