@@ -11,7 +11,9 @@ cleared) and raises OutOfDeviceMemory, a ConfigError: `pretrain train` prints it
 `pretrain train: error: ...`, and exits with 2. Its sentence names the micro batch, the step, the
 device's memory, the planner's estimate for this run's micro batch and layout (pretrain/plan.py:
 rank_stages, rank_bytes, fits: the figures `pretrain plan CONFIG --gpus N --gpu-memory GIB` shows)
-and the largest micro batch the planner expects to fit. An architecture without an activation_bytes
+and the largest micro batch the planner expects to fit. The size of the allocation that failed comes
+from torch's message, and where the allocator held enough memory unused but not in one piece, the
+sentence says so and names PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True. An architecture without an activation_bytes
 estimate in its registry entry gets its weights, gradients and optimizer state only, and says so.
 
 Nothing is written on this path: the trainer saves only after a step completes (the failed step's
@@ -23,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,6 +59,27 @@ def _chain(error: BaseException):
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error`, or an exception it wraps, is torch's OutOfMemoryError."""
     return any(isinstance(e, OOM_ERRORS) for e in _chain(error))
+
+
+_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = r"([0-9.]+) (bytes|KiB|MiB|GiB|TiB)"
+# the figures of torch's CUDA allocator message ("Tried to allocate 2.00 GiB. GPU 0 has a total capacity of
+# 79.1 GiB of which 1.2 GiB is free. ... and 6.6 GiB is reserved by PyTorch but unallocated. ...")
+_FIGURES = {"request": "Tried to allocate " + _SIZE, "free": "of which " + _SIZE + " is free",
+            "unallocated": _SIZE + " is reserved by PyTorch but unallocated"}
+
+
+def failed_request(error: BaseException) -> dict:
+    """What torch's out-of-memory message in `error`'s chain says of the failed allocation, in bytes:
+    `request` (what it asked for), `free` (the device's free memory), `unallocated` (reserved by the
+    caching allocator but not in use); each only where the message says it."""
+    out = {}
+    for e in _chain(error):
+        for key, pattern in _FIGURES.items():
+            found = key not in out and re.search(pattern, str(e))
+            if found:
+                out[key] = int(float(found.group(1)) * _UNITS[found.group(2)])
+    return out
 
 
 def _drop_frames(error: BaseException) -> None:
@@ -167,17 +191,31 @@ def _no_micro_batch_helps(cfg, activations: bool = True) -> str:
             "split the model over more GPUs (pretrain plan CONFIG --gpus N proposes a layout)")
 
 
+def _request_clause(failed: dict) -> str:
+    """The failed allocation, and fragmentation where the allocator held enough memory but not in one piece."""
+    if "request" not in failed:
+        return ""
+    said = f"a request for {size(failed['request'])} failed"
+    loose = failed.get("unallocated", 0)
+    if loose and loose + failed.get("free", 0) >= failed["request"]:
+        said += (f" with {size(loose)} reserved but unallocated (fragmented: PYTORCH_CUDA_ALLOC_CONF="
+                 "expandable_segments:True may let it fit)")
+    return said
+
+
 def explain(cfg, step: int, device: torch.device, dp: int, est: Estimate | None, capacity: int | None = None,
-            peak: int | None = None, why_no_estimate: str = "") -> str:
-    """The one sentence: `est` None when the planner could not be asked (`why_no_estimate` says why)."""
+            peak: int | None = None, why_no_estimate: str = "", failed: dict | None = None) -> str:
+    """The one sentence: `est` None when the planner could not be asked (`why_no_estimate` says why);
+    `failed`: failed_request's figures of torch's message."""
     from pretrain.plan import fits, micro_batch_options
 
     mb, T = cfg.train.micro_batch_seqs, cfg.data.seq_len
     kind = "GPU" if device.type == "cuda" else device.type.upper()
-    held = ""
+    parts = [_request_clause(failed or {})]
     if capacity is not None:
         at_peak = f", {size(peak)} allocated at the peak" if peak is not None else ""
-        held = f" ({size(capacity)} device{at_peak})"
+        parts.insert(0, f"{size(capacity)} device{at_peak}")
+    held = f" ({'; '.join(p for p in parts if p)})" if any(parts) else ""
     head = (f"micro batch {mb} × {T} tokens of {cfg.model.arch} (run {cfg.train.name}) ran out of {kind} memory "
             f"in step {step}{held}")
     keep = "(gradient accumulation keeps the global batch)"
@@ -206,15 +244,16 @@ def explain(cfg, step: int, device: torch.device, dp: int, est: Estimate | None,
             f"train.micro_batch_seqs={largest} {keep}")
 
 
-def out_of_memory_sentence(trainer) -> str:
-    """The sentence for `trainer`'s failed step (its step counter not yet advanced)."""
+def out_of_memory_sentence(trainer, failed: dict | None = None) -> str:
+    """The sentence for `trainer`'s failed step (its step counter not yet advanced); `failed`: what torch's
+    message said of the failed allocation (failed_request)."""
     cfg, device = trainer.cfg, trainer.device
     capacity, peak = device_memory(device)
     try:
         est, why = estimate(cfg, trainer.layout.dp), ""
     except Exception as e:  # noqa: BLE001  (the sentence is said whatever the planner does)
         est, why = None, f"{type(e).__name__}: {e}"
-    return explain(cfg, trainer.step + 1, device, trainer.layout.dp, est, capacity, peak, why)
+    return explain(cfg, trainer.step + 1, device, trainer.layout.dp, est, capacity, peak, why, failed)
 
 
 class step_memory_guard:  # lower case: used as a context manager, like contextlib's
@@ -231,9 +270,10 @@ class step_memory_guard:  # lower case: used as a context manager, like contextl
         if error is None or not isinstance(error, Exception) or not is_out_of_memory(error):
             return False
         del tb
+        failed = failed_request(error)
         _drop_frames(error)
         free_device_memory(self.trainer.device)
-        raise OutOfDeviceMemory(out_of_memory_sentence(self.trainer)) from None
+        raise OutOfDeviceMemory(out_of_memory_sentence(self.trainer, failed)) from None
 
 
 if __name__ == "__main__":  # the planner's stages for a config, as JSON (planner_stages' child process)

@@ -69,9 +69,9 @@ def test_an_out_of_memory_step_is_one_sentence_with_the_planners_figures_and_wri
 
     said = oom.out_of_memory_sentence
 
-    def sentence(t):
+    def sentence(t, *failed):
         seen["freed_first"] = seen["held"]() is None
-        return said(t)
+        return said(t, *failed)
 
     monkeypatch.setattr(trainer.engine, "forward_backward", forward_backward)
     monkeypatch.setattr(oom, "out_of_memory_sentence", sentence)
@@ -80,7 +80,8 @@ def test_an_out_of_memory_step_is_one_sentence_with_the_planners_figures_and_wri
     assert isinstance(info.value, ConfigError)  # the CLI's one line and exit code 2
     assert str(info.value) == (
         f"micro batch 4 × 32 tokens of baseline (run quickstart) ran out of CPU memory in step 4 "
-        f"({oom.size(capacity)} device, 123.0 MiB allocated at the peak); the planner estimates "
+        f"({oom.size(capacity)} device, 123.0 MiB allocated at the peak; a request for 20.0 GiB failed); the "
+        f"planner estimates "
         f"{oom.size(planned[4])} for it and expects at most 2 sequences per micro batch to fit: set "
         f"train.micro_batch_seqs=2 {KEEP}")
     assert seen["freed_first"], "the failed step's tensors were alive when the sentence was computed"
@@ -111,7 +112,7 @@ def test_through_the_cli_an_out_of_memory_step_exits_2_with_one_line_and_no_esti
     last = proc.stderr.strip().splitlines()[-1]
     assert last == (
         "pretrain train: error: micro batch 4 × 32 tokens of test_faults (run quickstart) ran out of CPU memory in "
-        "step 3 (80.0 GiB device); the planner has no activation estimate for model.arch 'test_faults' and puts its "
+        "step 3 (80.0 GiB device; a request for 20.0 GiB failed); the planner has no activation estimate for model.arch 'test_faults' and puts its "
         f"weights, gradients and optimizer state alone at {oom.size(state)} per GPU: lower train.micro_batch_seqs "
         f"to 2 or less {KEEP}"), proc.stderr[-3000:]
     run_dir = tmp_path / "run"
@@ -147,6 +148,42 @@ def test_the_sentence_when_no_micro_batch_fits_the_estimate_is_short_or_the_plan
     assert oom.explain(one, 7, cpu, 1, oom.estimate(one, 1), 80 * 2**30).endswith(
         "which it expected to fit, and no smaller micro batch exists: turn on parallel.recompute or split the model "
         "over more GPUs (pretrain plan CONFIG --gpus N proposes a layout)")
+
+
+def test_the_sentence_names_the_failed_request_and_says_when_fragmentation_kept_it_from_fitting():
+    """torch's CUDA message (its wording since torch 2.2) gives the request, the device's free memory and
+    what the caching allocator holds unused; fragmentation is named only when those two add up to the request."""
+    def message(request, free, loose):
+        return (f"CUDA out of memory. Tried to allocate {request}. GPU 0 has a total capacity of 139.81 GiB of which "
+                f"{free} is free. Including non-PyTorch memory, this process has 139.2 GiB memory in use. Of the "
+                f"allocated memory 101.3 GiB is allocated by PyTorch, and {loose} is reserved by PyTorch but "
+                "unallocated. If reserved but unallocated memory is large try setting "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+    fragmented = torch.OutOfMemoryError(message("12.50 GiB", "602.00 MiB", "37.88 GiB"))
+    try:
+        try:
+            raise fragmented
+        except RuntimeError as e:
+            raise RuntimeError("backend compiler failed") from e
+    except RuntimeError as wrapped:
+        assert oom.failed_request(wrapped) == {"request": int(12.5 * 2**30), "free": 602 * 2**20,
+                                               "unallocated": int(37.88 * 2**30)}
+    full = oom.failed_request(torch.OutOfMemoryError(message("12.50 GiB", "602.00 MiB", "11.00 GiB")))
+    assert oom.failed_request(RuntimeError("CUDA out of memory.")) == {}
+    cfg, gpu = _cfg(), torch.device("cuda")
+    est = oom.estimate(cfg, 1)
+    head = "micro batch 4 × 256 tokens of baseline (run quickstart) ran out of GPU memory in step 2"
+    said = oom.explain(cfg, 2, gpu, 1, est, 80 * 2**30, 2**30, failed=oom.failed_request(fragmented))
+    assert said.startswith(
+        f"{head} (80.0 GiB device, 1.0 GiB allocated at the peak; a request for 12.5 GiB failed with 37.9 GiB reserved "
+        "but unallocated (fragmented: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may let it fit)); the "
+        "planner estimates"), said
+    said = oom.explain(cfg, 2, gpu, 1, est, 80 * 2**30, 2**30, failed=full)
+    assert said.startswith(f"{head} (80.0 GiB device, 1.0 GiB allocated at the peak; a request for 12.5 GiB "
+                           "failed); the planner estimates"), said
+    assert oom.explain(cfg, 2, gpu, 1, None, None, why_no_estimate="E", failed=full).startswith(
+        f"{head} (a request for 12.5 GiB failed); the planner's estimate could not be made (E)")
 
 
 def test_an_architecture_without_an_estimate_whose_state_alone_does_not_fit():
