@@ -10,7 +10,8 @@
 # names; ';' between them) to split a part over calls, keeping each ratio's rows in one call (ratios are of one
 # call's rows): ONLY="baseline/s no-mask;baseline/s;baseline/s sdpa;sps/s" SUITE_S=540 (HF, SDPA and SPS ratios),
 # then ONLY="baseline/m;cart;crt" SUITE_S=480, and for the blocks rows ONLY="baseline/s no-mask;baseline/s;blocks"
-# (HF again). Each stage has its own timeout, so one slow stage cannot take the rest. Results go to $OUT (default ./gpu_out): suite.log, suite_<part>.md/.json, profile_*.txt,
+# (HF again). WARM_JOBS=N first trains every picked row for one step, N at once, so that the timed runs load
+# their compiled graphs from the caches that fills (benchmarks/suite_warm.py). Each stage has its own timeout, so one slow stage cannot take the rest. Results go to $OUT (default ./gpu_out): suite.log, suite_<part>.md/.json, profile_*.txt,
 # rt_layer.md, gpu_tests.log, logs.tgz (every run's log).
 #     bash benchmarks/gpu_session.sh transformer      # run the suite before and after a change
 #     DRY=1 bash benchmarks/gpu_session.sh all        # rehearse it on a CPU (tiny shapes; the gpu tests skip)
@@ -30,6 +31,7 @@ if has suite; then
   ONLY_ARGS=(); IFS=';' read -ra PICK <<< "${ONLY:-}"; for o in ${PICK[@]+"${PICK[@]}"}; do ONLY_ARGS+=(--only "$o"); done
   timeout "${SUITE_S:-$([ "$PART" = serial ] && echo 560 || echo 330)}" python3 benchmarks/gpu_suite.py --part "$PART" \
     --out /tmp/suite --cap "$CAP" --steps "$STEPS" ${DRY:+--dry-run} --commit "${COMMIT:-}" ${ONLY_ARGS[@]+"${ONLY_ARGS[@]}"} \
+    --warm-jobs "${WARM_JOBS:-0}" \
     > "$OUT/suite.log" 2>&1
   echo "suite: rc $?"; cp /tmp/suite/suite_"$PART".* "$OUT"/ 2>/dev/null
 fi

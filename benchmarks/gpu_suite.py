@@ -27,6 +27,9 @@ a GPU it is stopped once its last timed step is recorded (the end-of-run evaluat
 the checkpoint would measure nothing); a SIGTERM to the suite (gpu_session.sh's `timeout`) ends the running
 row's processes too. The table is written to OUT/suite_<part>.md
 (and .json) and, with --append FILE, appended to FILE with the device, torch, Triton, commit and date.
+--warm-jobs N first trains every row (and the HF twin) for one step, N runs at once within the planner's
+memory, to fill inductor's caches; the timed runs then follow one at a time on a quiet GPU and load their
+graphs from those caches, and the compile column gives both times (benchmarks/suite_warm.py).
 --profile ROW captures a torch.profiler table of a few steps of that row (OUT/profile_<row>.txt).
 --dry-run checks every row's real config and overrides, then trains each architecture's tiny config
 for a few steps on the CPU through the same machinery (the HF row at the tiny width).
@@ -46,6 +49,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from suite_table import ratios, table  # noqa: F401  (table: the tests read it here)
+from suite_warm import Job, compile_phases, first_compile, forget_autotuning, run_many
 
 ROOT = Path(__file__).resolve().parent.parent
 EOD, PREDICT = 2, 4  # the suite's tokenizer: <unk> <s> </s> <pad> <predict>, then ordinary tokens
@@ -191,51 +197,47 @@ def run_capped(cmd: list[str], cap: float, log_path: Path, stop=lambda: False, e
     """Run `cmd` in a process group of its own, its output to log_path, until it exits, `cap` seconds
     pass or stop() says so (then the group is killed): (how it ended: exit | cap | stop, its return
     code, its output, wall seconds)."""
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        ended = "exit"
-        try:
-            while proc.poll() is None:
-                ended = "cap" if time.perf_counter() - t0 > cap else "stop" if stop() else "exit"
-                if ended != "exit":
-                    break
-                time.sleep(0.5)
-        finally:  # stopped, capped, or the suite itself ended (SIGTERM from `timeout`): the group goes too
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return ended, proc.returncode, log_path.read_text(), time.perf_counter() - t0
+    e = run_many([Job("run", cmd, log_path, cap, ROOT, stop, env or {})])["run"]
+    return e.how, e.rc, e.log, e.wall_s
 
 
 def last_line(log: str) -> str:
     return ([ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"])[0][:200]
 
 
-def run_row(row: Row, args, data_for, out: Path) -> dict:
-    check_gpu_overrides(row, out)  # the paper config takes the GPU run's whole override set, dry run or not
-    config, cfg, micro, seq_len = row_shape(row, args)
+def row_run(row: Row, args, data_for, out: Path, steps: int, prefix: str = "") -> tuple[list[str], dict, Path]:
+    """What runs a row for `steps` steps: its command, its environment and its run directory (emptied)."""
+    config, cfg, micro, _ = row_shape(row, args)
     data, tok = data_for(cfg.model.vocab_size)
-    run_dir = fresh_run_dir(out, row.name)
-    steps = args.warmup + args.steps
+    run_dir = fresh_run_dir(out, prefix + row.name)
     overrides = row_overrides(row, micro, steps, data, tok, run_dir, args.dry_run)
     if args.dry_run:
         overrides = [o for o in overrides if not o.startswith(("model.predict_id", "model.eos_id"))]
-        same = (config, tuple(o for o in overrides if not o.startswith(("train.run_dir", "checkpoint.every"))))
+    return [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], ({} if args.dry_run else row.env), run_dir
+
+
+def stopper(args, run_dir: Path, steps: int):
+    """On a GPU a run is stopped once its step `steps` is recorded (it trains to steps + 1: the step after,
+    the end-of-run evaluation, a second compilation under no_grad, and the checkpoint would spend the part's
+    minutes measuring nothing). The dry run ends by itself, so the whole path is exercised on the CPU."""
+    return lambda: not args.dry_run and last_step(run_dir / "metrics.jsonl") >= steps
+
+
+def run_row(row: Row, args, data_for, out: Path) -> dict:
+    check_gpu_overrides(row, out)  # the paper config takes the GPU run's whole override set, dry run or not
+    config, cfg, micro, seq_len = row_shape(row, args)
+    steps = args.warmup + args.steps
+    cmd, env, run_dir = row_run(row, args, data_for, out, steps)
+    if args.dry_run:
+        same = (config, tuple(o for o in cmd if not o.startswith(("train.run_dir", "checkpoint.every"))))
         if same in args.dry_runs:  # rows that differ only in their micro batch train the same dry run once
             return {**args.dry_runs[same], "row": row.name, "config": row.config, "note": row.note}
     result = {"row": row.name, "config": row.config, "note": row.note, "compiled": row.compile and not args.dry_run,
               "micro": micro, "seq_len": seq_len, "planner_gib": planner_gib(cfg, micro, seq_len)}
-    metrics = run_dir / "metrics.jsonl"
-    # On a GPU the run is stopped once its last timed step is recorded (it trains to steps + 1: the step after,
-    # the end-of-run evaluation, a second compilation under no_grad, and the checkpoint would spend the
-    # part's minutes measuring nothing). The dry run ends by itself, so the whole path is exercised on the CPU.
     cap = args.cap * row.cap_x
-    ended, rc, log, result["wall_s"] = run_capped(
-        [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], cap, out / f"log_{run_dir.name}.txt",
-        stop=lambda: not args.dry_run and last_step(metrics) >= steps, env=None if args.dry_run else row.env)
-    result.update(read_metrics(metrics, args.warmup, micro * seq_len, upto=steps))
+    ended, rc, log, result["wall_s"] = run_capped(cmd, cap, out / f"log_{run_dir.name}.txt",
+                                                  stop=stopper(args, run_dir, steps), env=env)
+    result.update(read_metrics(run_dir / "metrics.jsonl", args.warmup, micro * seq_len, upto=steps))
     if ended == "stop":
         result["status"] = "ok"
     elif ended == "cap":
@@ -246,14 +248,53 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
         result["status"] = "ok" if rc == 0 else f"rc {rc}"
     paths = re.findall(r"kernels: (.*)", log)
     result["paths"] = paths[-1].strip() if paths else ""
-    phases = re.findall(r"^compile: [\d.]+ s by step \d+: (.*)", log, re.M)  # where the compile time went
+    phases = compile_phases(log)
     if phases:
-        result["compile_phases"] = phases[0].strip()
+        result["compile_phases"] = phases
+    warm = args.warmed.get(row.name)
+    if warm:  # the first compile was the warm-up's: its time and phases, beside this run's from the caches
+        result.update(first_compile(warm))
     if not result["status"].startswith("ok"):
         result["error"] = last_line(log)
     if args.dry_run:
         args.dry_runs[same] = result
     return result
+
+
+def warm_up(rows: list[Row], args, data_for, out: Path) -> dict:
+    """--warm-jobs N: every row, and its HF twin, trained for one step, N at once within the planner's memory
+    (benchmarks/suite_warm.py says why and what keeps the timed figures honest). {row name: Ended}."""
+    import torch
+
+    jobs = []
+    for row in rows:
+        config, cfg, micro, seq_len = row_shape(row, args)
+        cmd, env, run_dir = row_run(row, args, data_for, out, 1, prefix="warm_")
+        gib = planner_gib(cfg, micro, seq_len)
+        jobs.append(Job(row.name, cmd, out / f"log_{run_dir.name}.txt", args.cap * row.cap_x, ROOT,
+                        stopper(args, run_dir, 1), env, gib))
+        if row.hf:
+            spec = {"config": config, "overrides": row.overrides, "micro": micro, "seq_len": seq_len, "steps": 1,
+                    "warmup": 1, "dry": args.dry_run}
+            jobs.append(Job(hf_name(row), [sys.executable, __file__, "--hf-row", json.dumps(spec)],
+                            out / "log_warm_hf.txt", args.cap, ROOT, gib=gib))
+    cuda = torch.cuda.is_available() and not args.dry_run
+    budget = 0.85 * torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else float("inf")
+    t0 = time.perf_counter()
+    print(f"[{time.strftime('%H:%M:%S')}] warm-up: {len(jobs)} runs, {args.warm_jobs} at once"
+          + (f" within {budget:.0f} GiB planned" if cuda else ""), flush=True)
+    done = run_many(jobs, args.warm_jobs, budget)
+    forgot = forget_autotuning(inductor_cache())
+    args.warm_note = (f"; a warm-up first ran each row for one step, {args.warm_jobs} at once ({time.perf_counter() - t0:.0f} s"
+                      f", {forgot} autotuned configurations deleted after it): the compile column gives that first "
+                      "compile (contended) / the timed run's from the caches it filled")
+    for key, e in done.items():
+        print(f"    warm {key}: {e.how} rc {e.rc}, {e.wall_s:.0f} s", flush=True)
+    return done
+
+
+def hf_name(row: Row) -> str:
+    return f"HF Llama ({row.name})"
 
 
 def planner_gib(cfg, micro: int, seq_len: int) -> float | None:
@@ -359,7 +400,7 @@ def run_hf(row: Row, args, out: Path) -> dict:
     config, _, micro, seq_len = row_shape(row, args)
     spec = {"config": config, "overrides": row.overrides, "micro": micro, "seq_len": seq_len, "steps": args.steps,
             "warmup": args.warmup, "dry": args.dry_run}
-    result = {"row": f"HF Llama ({row.name})", "config": row.config, "note": "transformers LlamaForCausalLM, "
+    result = {"row": hf_name(row), "config": row.config, "note": "transformers LlamaForCausalLM, "
               "compiled, fused AdamW" if not args.dry_run else "transformers LlamaForCausalLM",
               "compiled": not args.dry_run, "micro": micro, "seq_len": seq_len}
     ended, rc, log, result["wall_s"] = run_capped([sys.executable, __file__, "--hf-row", json.dumps(spec)], args.cap,
@@ -369,7 +410,8 @@ def run_hf(row: Row, args, out: Path) -> dict:
     found = [ln for ln in log.splitlines() if ln.startswith("HF_RESULT ")]
     if rc or not found:
         return {**result, "status": f"rc {rc}", "error": last_line(log)}
-    return {**result, **json.loads(found[-1][len("HF_RESULT "):])}
+    warm = args.warmed.get(hf_name(row))
+    return {**result, **json.loads(found[-1][len("HF_RESULT "):]), **(first_compile(warm) if warm else {})}
 
 
 # -- the CUDA checks ---------------------------------------------------------------------------------
@@ -437,86 +479,36 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
     return path
 
 
+
+
 class _Captured(Exception):
     """The profile is written: the profiled run ends here."""
 
 
-# -- the table --------------------------------------------------------------------------------------
-def table(results: list[dict]) -> str:
-    lines = ["| run | micro × T | tokens/s | TFLOP/s | MFU | peak GiB | planner GiB | compile s | fwd/bwd/opt/data/other | "
-             "attention | status |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        num = lambda k, f: (f.format(r[k]) if r.get(k) is not None else "—")  # noqa: E731
-        split = r.get("time_split") or {}
-        order = ("forward", "backward", "optimizer", "data", "other")
-        split_s = "/".join(f"{100 * split[k]:.0f}" for k in order if k in split) or "—"
-        status = r.get("status", "") + (f": {r['error']}" if r.get("error") else "")
-        name = r["row"] + ("" if r.get("compiled", True) else " (eager)")
-        lines.append(f"| {name} | {r.get('micro', '—')} × {r.get('seq_len', '—')} | {num('tokens_per_s', '{:,.0f}')} | "
-                     f"{num('tflops', '{:.1f}')} | {num('mfu', '{:.1%}')} | {num('memory_gb', '{:.1f}')} | {num('planner_gib', '{:.1f}')} | "
-                     f"{num('compile_s', '{:.0f}')} | {split_s} | {r.get('paths') or '—'} | {status} |")
-    notes = [f"- {r['row']}: {r['note']}" for r in results if r.get("note")]
-    notes += [f"- {r['row']} compile: {r['compile_phases']}" for r in results if r.get("compile_phases")]
-    return "\n".join(lines + ([""] + notes if notes else []))
-
-
-def ratios(results: list[dict]) -> list[str]:
-    """The issue's targets as ratios measured in this run."""
-    by = {r["row"]: r for r in results if r.get("tokens_per_s")}
-    out = []
-
-    def per_token(name):
-        return 1 / by[name]["tokens_per_s"] if name in by else None
-
-    hf = next((r for r in results if r["row"].startswith("HF Llama") and r.get("tokens_per_s")), None)
-    if hf and "baseline/s no-mask" in by:
-        out.append(f"- baseline/s no-mask / HF Llama tokens/s: {by['baseline/s no-mask']['tokens_per_s'] / hf['tokens_per_s']:.2f}x (target ≥ 1.15x)")
-    if "baseline/m no-mask" in by:
-        out.append(f"- baseline/m MFU: {by['baseline/m no-mask']['mfu']:.1%} (target ≥ 40 %)")
-    if "baseline/s" in by and "baseline/s sdpa" in by:
-        out.append(f"- baseline/s automatic attention / SDPA with the dense mask, tokens/s: "
-                   f"{by['baseline/s']['tokens_per_s'] / by['baseline/s sdpa']['tokens_per_s']:.2f}x (target ≥ 1x)")
-    if "sps/s" in by and "baseline/s" in by:
-        out.append(f"- sps/s time per input token / baseline/s: {per_token('sps/s') / per_token('baseline/s'):.2f}x (target ≤ 1.8x)")
-    for a, b in (("cart/d1024-r6", "cart/dense-7l"), ("crt/owt-crt-d5-c1024", "crt/owt-roformer-n12-c1024")):
-        if a in by and b in by:  # time per FLOP of a against b's: TFLOP/s of b over a's
-            out.append(f"- {a} time per FLOP / {b}'s: {by[b]['tflops'] / by[a]['tflops']:.2f}x (target ≤ 1.1x)")
-    for blocks, whole in (("baseline/s no-mask blocks", "baseline/s no-mask"), ("baseline/s blocks", "baseline/s")):
-        if blocks in by and whole in by:  # train.compile_scope=blocks against whole-model compile
-            out.append(f"- {blocks} / whole-model compile: tokens/s {by[blocks]['tokens_per_s'] / by[whole]['tokens_per_s']:.2f}x, "
-                       f"compile {by[blocks]['compile_s']:.0f} s against {by[whole]['compile_s']:.0f} s")
-    for name, target in (("rt/300m-12l graphs b512", "≥ 42k, aim 55k"), ("gpn/gpn-m-130m graphs b128", "≥ 40k, aim 80k")):
-        if name in by:
-            out.append(f"- {name}: {by[name]['tokens_per_s']:,.0f} tokens/s (target {target})")
-    for graphed, eager in (("rt/300m-12l graphs", "rt/300m-12l"), ("gpn/gpn-m-130m graphs", "gpn/gpn-m-130m")):
-        if graphed in by and eager in by:
-            out.append(f"- {graphed} / eager, same batch: {per_token(eager) / per_token(graphed):.2f}x")
-    if "rt/300m-12l graphs b512 triton" in by and "rt/300m-12l graphs b512" in by:
-        out.append(f"- RT Triton tile / PyTorch tile tokens/s: {by['rt/300m-12l graphs b512 triton']['tokens_per_s'] / by['rt/300m-12l graphs b512']['tokens_per_s']:.2f}x")
-    if "rt/300m-12l graphs b512" in by and "rt/t-300m-12l" in by:
-        out.append(f"- RT / Transformer time per token: {per_token('rt/300m-12l graphs b512') / per_token('rt/t-300m-12l'):.2f}x "
-                   "(the paper's 3.1x; aim below 3x)")
-    return out
-
-
-def compile_cache() -> str:
-    """Whether inductor's and Triton's on-disk caches held anything when the suite started: warm caches (a
-    second suite on one machine) make the compile column a re-run's figure, lower than a user's first run."""
+def inductor_cache() -> Path:
+    """inductor's on-disk cache folder (its FX graphs, and by default Triton's kernels under it)."""
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
-        inductor = Path(cache_dir())
+        return Path(cache_dir())
     except Exception:  # noqa: BLE001 - an older torch: its default place
         import getpass
         import tempfile
-        inductor = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                        or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                    or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+
+
+def compile_cache() -> str:
+    """Whether inductor's and Triton's on-disk caches held anything when the suite started. A row that ran
+    before on this machine (a second suite) loads its graphs from them, a re-run's compile time, lower than a
+    user's first run; a row new to the machine compiles afresh: its graphs are not there, whatever else is."""
+    inductor = inductor_cache()
     triton = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     files = {name: sum(1 for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
              for name, path in (("inductor", inductor), ("Triton", triton))}
     if not any(files.values()):
         return "compile caches cold (compile times are a first run's)"
     return ("compile caches warm (" + ", ".join(f"{name} {n:,} files" for name, n in files.items())
-            + ": compile times are a re-run's)")
+            + ": a row that ran before on this machine compiles from them, a re-run's time; a new one afresh)")
 
 
 def pick(rows: list[Row], only: list[str]) -> list[Row]:
@@ -543,7 +535,8 @@ def header(args) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"### gpu_suite --part {args.part}: {device}, torch {torch.__version__}, Triton {triton_version}, "
             f"commit {commit}, {when}\n\n{args.warmup} warm-up steps, then the median of {args.steps}; "
-            f"cap {args.cap:.0f} s per run{getattr(args, 'caps_note', '')}; {args.cache_state}.")
+            f"cap {args.cap:.0f} s per run{getattr(args, 'caps_note', '')}; {args.cache_state}"
+            f"{getattr(args, 'warm_note', '')}.")
 
 
 def main(argv=None) -> int:
@@ -565,12 +558,16 @@ def main(argv=None) -> int:
     p.add_argument("--commit", default="", help="the commit to name (default: git rev-parse HEAD)")
     p.add_argument("--tokens", type=int, default=0, help="tokens of random data to write (default: enough)")
     p.add_argument("--dry-run", action="store_true", help="CPU, each architecture's tiny config, no compile")
+    p.add_argument("--warm-jobs", type=int, default=0, metavar="N",
+                   help="first train every row for one step, N runs at once, to fill the compile caches; the timed "
+                        "runs follow one at a time and load their graphs from them (benchmarks/suite_warm.py)")
     p.add_argument("--hf-row", default="", help=argparse.SUPPRESS)  # internal: one HF run as a subprocess
     args = p.parse_args(argv)
     # `timeout` (gpu_session.sh) sends SIGTERM: end through SystemExit, so each row's process group is killed
     # (run_capped) rather than left training on the GPU into the next stage
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.dry_runs = {}  # a dry run's (config, overrides) -> its result
+    args.warmed = {}  # --warm-jobs: a row's (or its HF twin's) warm-up run
     sys.path.insert(0, str(ROOT))
     if args.hf_row:
         print("HF_RESULT " + json.dumps(hf_row(**json.loads(args.hf_row))), flush=True)
@@ -582,6 +579,8 @@ def main(argv=None) -> int:
         p.error("--profile-steps must be at least 1")
     if args.steps < 1 or args.warmup < 1:
         p.error("--steps and --warmup must each be at least 1 (the first step compiles)")
+    if args.warm_jobs < 0:
+        p.error(f"--warm-jobs must be 0 (no warm-up) or more, got {args.warm_jobs}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part == "checks":
@@ -614,6 +613,8 @@ def main(argv=None) -> int:
             p.error("--profile-only needs --profile ROW")
         print(f"profile: {profile_row(next(r for r in rows if r.name == args.profile), args, data_for, out)}")
         return 0
+    if args.warm_jobs:
+        args.warmed = warm_up(rows, args, data_for, out)
     results = []
 
     def write() -> str:  # after every row: a run stopped from outside still leaves the rows it finished

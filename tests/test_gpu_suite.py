@@ -150,3 +150,65 @@ def test_every_rows_gpu_overrides_are_accepted_by_its_paper_config(tmp_path):
     for rows in PARTS.values():
         for row in rows:
             check_gpu_overrides(row, tmp_path)
+
+
+def test_run_many_keeps_to_its_number_at_once_and_its_memory_budget(tmp_path):
+    """The warm-up's scheduler (benchmarks/suite_warm.py): at most N runs at once, a run waits while the
+    planned memory of those running and its own would pass the budget (one alone always starts), and each
+    ends by itself, at its cap or by its stop()."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from suite_warm import Job, run_many
+
+    def job(key, seconds, gib, cap=60.0, stop=lambda: False):  # records when it started and ended
+        code = (f"import time, pathlib; p = pathlib.Path({str(tmp_path / key)!r}); t = time.time(); "
+                f"time.sleep({seconds}); p.write_text(f'{{t}} {{time.time()}}')")
+        return Job(key, [sys.executable, "-c", code], tmp_path / f"{key}.log", cap, tmp_path, stop, {}, gib)
+
+    def spans(keys):
+        return {k: tuple(map(float, (tmp_path / k).read_text().split())) for k in keys}
+
+    def most_at_once(found):
+        return max(sum(a <= t < b for a, b in found.values()) for t, _ in found.values())
+
+    done = run_many([job(k, 1.0, 10) for k in "abcd"], at_once=2, budget_gib=100, poll_s=0.05)
+    assert {k: (e.how, e.rc) for k, e in done.items()} == {k: ("exit", 0) for k in "abcd"}
+    assert most_at_once(spans("abcd")) == 2
+    # 60 + 60 GiB pass a 100 GiB budget: the second waits for the first; the 150 GiB run starts alone
+    run_many([job("e", 1.0, 60), job("f", 1.0, 60), job("g", 0.5, 150)], at_once=3, budget_gib=100, poll_s=0.05)
+    found = spans("efg")
+    assert found["f"][0] >= found["e"][1] - 0.05 and found["g"][0] >= found["f"][1] - 0.05
+    ended = run_many([job("h", 30, 1, cap=1.0), job("i", 30, 1, stop=lambda: True)], at_once=2, poll_s=0.05)
+    assert (ended["h"].how, ended["i"].how) == ("cap", "stop") and ended["h"].wall_s < 10
+
+
+def test_a_warm_up_phase_runs_every_row_first_and_the_table_gives_both_compile_times(tmp_path):
+    out = tmp_path / "suite"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--part", "transformer", "--dry-run",
+                           "--only", "baseline/s no-mask", "--only", "cart/dense-7l", "--steps", "1", "--warmup", "1",
+                           "--warm-jobs", "2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("baseline_s_no-mask", "cart_dense-7l"):  # each row trained its one warm-up step in its own run
+        records = (out / f"runs/warm_{name}/metrics.jsonl").read_text().splitlines()
+        assert json.loads(records[0])["step"] == 1, records
+    assert "HF_RESULT" in (out / "log_warm_hf.txt").read_text()
+    assert "warm baseline/s no-mask: exit rc 0" in proc.stdout and "warm HF Llama (baseline/s no-mask): exit rc 0" in proc.stdout
+    table = (out / "suite_transformer.md").read_text()
+    assert "a warm-up first ran each row for one step, 2 at once" in table
+    hf = next(ln for ln in table.splitlines() if ln.startswith("| HF Llama"))
+    assert " / " in hf.split("|")[8], hf  # the warm-up's first compile / the timed run's
+    assert table.count("| ok |") == 3
+    assert "--warm-jobs must be 0" in subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/gpu_suite.py"), "--dry-run", "--warm-jobs", "-1", "--out",
+         str(out)], cwd=ROOT, capture_output=True, text=True).stderr
+
+
+def test_a_warm_up_runs_compile_line_becomes_the_rows_first_compile():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from suite_table import compile_cell
+    from suite_warm import Ended, first_compile
+
+    log = "step 1/2 ...\ncompile: 41.2 s by step 1: dynamo 2.0 s, the forward 30.1 s, the backward 9.1 s\n"
+    found = first_compile(Ended("stop", -9, log, 50.0))
+    assert found == {"warm_compile_s": 41.2, "compile_phases": "dynamo 2.0 s, the forward 30.1 s, the backward 9.1 s"}
+    assert compile_cell({"compile_s": 2.6, **found}) == "41 / 3" and compile_cell({"compile_s": 35.4}) == "35"
+    assert first_compile(Ended("exit", 1, "Traceback ...\n", 3.0)) == {}  # a failed warm-up: the timed run's alone
