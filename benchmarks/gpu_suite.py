@@ -30,6 +30,9 @@ row's processes too. The table is written to OUT/suite_<part>.md
 --warm-jobs N first trains every row (and the HF twin) for one step, N runs at once within the planner's
 memory, to fill inductor's caches; the timed runs then follow one at a time on a quiet GPU and load their
 graphs from those caches, and the compile column gives both times (benchmarks/suite_warm.py).
+A row that runs out of memory through fragmentation (its out-of-memory sentence says so: enough memory
+reserved by the allocator, not in one piece) runs once more with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,
+as "<row> expandable", which then stands for it in the ratios.
 --profile ROW captures a torch.profiler table of a few steps of that row (OUT/profile_<row>.txt).
 --dry-run checks every row's real config and overrides, then trains each architecture's tiny config
 for a few steps on the CPU through the same machinery (the HF row at the tiny width).
@@ -37,21 +40,19 @@ for a few steps on the CPU through the same machinery (the HF row at the tiny wi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from suite_table import ratios, table  # noqa: F401  (table: the tests read it here)
-from suite_warm import Job, compile_phases, first_compile, forget_autotuning, run_many
+from suite_table import header, ratios, table  # noqa: F401  (table: the tests read it here)
+from suite_warm import Job, compile_cache, compile_phases, first_compile, forget_autotuning, inductor_cache, run_many
 
 ROOT = Path(__file__).resolve().parent.parent
 EOD, PREDICT = 2, 4  # the suite's tokenizer: <unk> <s> </s> <pad> <predict>, then ordinary tokens
@@ -75,6 +76,7 @@ class Row:
 NOMASK = ["model.document_mask=false"]
 GRAPHS, GRAPHS_OFF = ["train.cuda_graphs=on"], ["train.cuda_graphs=off"]
 BLOCKS = ["train.compile_scope=blocks"]
+EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 PARTS = {
     "transformer": [
         Row("baseline/s no-mask", "baseline/s", NOMASK, hf=True, note="plain causal: like for like with HF"),
@@ -255,10 +257,22 @@ def run_row(row: Row, args, data_for, out: Path) -> dict:
     if warm:  # the first compile was the warm-up's: its time and phases, beside this run's from the caches
         result.update(first_compile(warm))
     if not result["status"].startswith("ok"):
+        from pretrain.oom import FRAGMENTED
+
         result["error"] = last_line(log)
+        result["fragmented"] = FRAGMENTED in log  # out of memory with enough reserved, not in one piece
     if args.dry_run:
         args.dry_runs[same] = result
     return result
+
+
+def expandable(row: Row) -> Row | None:
+    """The row again with the allocator's expandable segments, for a row that ran out of memory through
+    fragmentation (its sentence says so); None where it already had them."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in row.env:
+        return None
+    return replace(row, name=row.name + " expandable", hf=False, env={**row.env, **EXPANDABLE},
+                   note=f"{row.name} again after its fragmented out-of-memory, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
 
 def warm_up(rows: list[Row], args, data_for, out: Path) -> dict:
@@ -301,8 +315,6 @@ def planner_gib(cfg, micro: int, seq_len: int) -> float | None:
     """What the planner gives this run's one rank at its micro batch (pretrain/oom.py's estimate: the figure the
     out-of-memory sentence and `pretrain plan` show), beside the measured peak so a GPU run checks the
     estimate; None for an architecture without an activation estimate."""
-    from dataclasses import replace
-
     from pretrain.oom import estimate
 
     cfg = replace(cfg, train=replace(cfg.train, micro_batch_seqs=micro, global_batch_seqs=micro),
@@ -485,58 +497,11 @@ class _Captured(Exception):
     """The profile is written: the profiled run ends here."""
 
 
-def inductor_cache() -> Path:
-    """inductor's on-disk cache folder (its FX graphs, and by default Triton's kernels under it)."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-        return Path(cache_dir())
-    except Exception:  # noqa: BLE001 - an older torch: its default place
-        import getpass
-        import tempfile
-        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                    or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
-
-
-def compile_cache() -> str:
-    """Whether inductor's and Triton's on-disk caches held anything when the suite started. A row that ran
-    before on this machine (a second suite) loads its graphs from them, a re-run's compile time, lower than a
-    user's first run; a row new to the machine compiles afresh: its graphs are not there, whatever else is."""
-    inductor = inductor_cache()
-    triton = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-    files = {name: sum(1 for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
-             for name, path in (("inductor", inductor), ("Triton", triton))}
-    if not any(files.values()):
-        return "compile caches cold (compile times are a first run's)"
-    return ("compile caches warm (" + ", ".join(f"{name} {n:,} files" for name, n in files.items())
-            + ": a row that ran before on this machine compiles from them, a re-run's time; a new one afresh)")
-
-
 def pick(rows: list[Row], only: list[str]) -> list[Row]:
     """The rows --only names: a row's exact name picks that row alone ("baseline/s", not its no-mask and
     blocks rows), anything else the rows whose names contain it ("cart": both CART rows)."""
     names, only = {r.name for r in rows}, [o for o in only if o]  # an empty one ("a;;b") names nothing
     return [r for r in rows if any(o == r.name if o in names else o in r.name for o in only)]
-
-
-def header(args) -> str:
-    import torch
-
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "CPU (dry run)"
-    try:
-        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                               text=True).stdout.strip() or "unknown"
-    except OSError:  # no git on the machine: COMMIT= names it
-        commit = "unknown"
-    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    return (f"### gpu_suite --part {args.part}: {device}, torch {torch.__version__}, Triton {triton_version}, "
-            f"commit {commit}, {when}\n\n{args.warmup} warm-up steps, then the median of {args.steps}; "
-            f"cap {args.cap:.0f} s per run{getattr(args, 'caps_note', '')}; {args.cache_state}"
-            f"{getattr(args, 'warm_note', '')}.")
 
 
 def main(argv=None) -> int:
@@ -629,6 +594,11 @@ def main(argv=None) -> int:
         r = results[-1]
         print(f"    {r['status']}: {r.get('tokens_per_s') or 0:,.0f} tokens/s, MFU {r.get('mfu') or 0:.1%}, "
               f"{r.get('memory_gb') or 0:.1f} GB, wall {r['wall_s']:.0f} s", flush=True)
+        again = expandable(row) if r.get("fragmented") else None
+        if again is not None:  # once: a window's minutes go further than a second call to find this out
+            print(f"[{time.strftime('%H:%M:%S')}] {again.name} ...", flush=True)
+            results.append({**run_row(again, args, data_for, out), "retry_of": row.name})
+            print(f"    {results[-1]['status']}: {results[-1].get('tokens_per_s') or 0:,.0f} tokens/s", flush=True)
         if row.hf:
             results.append(run_hf(row, args, out))
             r = results[-1]

@@ -2,6 +2,12 @@
 the figures measured in the same run."""
 from __future__ import annotations
 
+import datetime
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
 
 # -- the table --------------------------------------------------------------------------------------
 def table(results: list[dict]) -> str:
@@ -31,6 +37,9 @@ def compile_cell(r: dict) -> str:
 def ratios(results: list[dict]) -> list[str]:
     """The issue's targets as ratios measured in this run."""
     by = {r["row"]: r for r in results if r.get("tokens_per_s")}
+    for r in results:  # a row run again with expandable segments stands for it in the ratios
+        if r.get("retry_of") and r.get("tokens_per_s"):
+            by.setdefault(r["retry_of"], r)
     out = []
 
     def per_token(name):
@@ -65,3 +74,24 @@ def ratios(results: list[dict]) -> list[str]:
         out.append(f"- RT / Transformer time per token: {per_token('rt/300m-12l graphs b512') / per_token('rt/t-300m-12l'):.2f}x "
                    "(the paper's 3.1x; aim below 3x)")
     return out
+
+
+def header(args) -> str:
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "CPU (dry run)"
+    try:
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                               text=True).stdout.strip() or "unknown"
+    except OSError:  # no git on the machine: COMMIT= names it
+        commit = "unknown"
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"### gpu_suite --part {args.part}: {device}, torch {torch.__version__}, Triton {triton_version}, "
+            f"commit {commit}, {when}\n\n{args.warmup} warm-up steps, then the median of {args.steps}; "
+            f"cap {args.cap:.0f} s per run{getattr(args, 'caps_note', '')}; {args.cache_state}"
+            f"{getattr(args, 'warm_note', '')}.")

@@ -120,3 +120,29 @@ def first_compile(warm: Ended) -> dict:
     if seconds is None:
         return {}
     return {"warm_compile_s": seconds, **({"compile_phases": compile_phases(warm.log)} if total else {})}
+
+
+def inductor_cache() -> Path:
+    """inductor's on-disk cache folder (its FX graphs, and by default Triton's kernels under it)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return Path(cache_dir())
+    except Exception:  # noqa: BLE001 - an older torch: its default place
+        import getpass
+        import tempfile
+        return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                    or Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+
+
+def compile_cache() -> str:
+    """Whether inductor's and Triton's on-disk caches held anything when the suite started. A row that ran
+    before on this machine (a second suite) loads its graphs from them, a re-run's compile time, lower than a
+    user's first run; a row new to the machine compiles afresh: its graphs are not there, whatever else is."""
+    inductor = inductor_cache()
+    triton = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    files = {name: sum(1 for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+             for name, path in (("inductor", inductor), ("Triton", triton))}
+    if not any(files.values()):
+        return "compile caches cold (compile times are a first run's)"
+    return ("compile caches warm (" + ", ".join(f"{name} {n:,} files" for name, n in files.items())
+            + ": a row that ran before on this machine compiles from them, a re-run's time; a new one afresh)")

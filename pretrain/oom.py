@@ -69,6 +69,9 @@ _FIGURES = {"request": "Tried to allocate " + _SIZE, "free": "of which " + _SIZE
             "unallocated": _SIZE + " is reserved by PyTorch but unallocated"}
 
 
+FRAGMENTED = "fragmented: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True may let it fit"  # the GPU suite reads it
+
+
 def failed_request(error: BaseException) -> dict:
     """What torch's out-of-memory message in `error`'s chain says of the failed allocation, in bytes:
     `request` (what it asked for), `free` (the device's free memory), `unallocated` (reserved by the
@@ -198,8 +201,7 @@ def _request_clause(failed: dict) -> str:
     said = f"a request for {size(failed['request'])} failed"
     loose = failed.get("unallocated", 0)
     if loose and loose + failed.get("free", 0) >= failed["request"]:
-        said += (f" with {size(loose)} reserved but unallocated (fragmented: PYTORCH_CUDA_ALLOC_CONF="
-                 "expandable_segments:True may let it fit)")
+        said += f" with {size(loose)} reserved but unallocated ({FRAGMENTED})"
     return said
 
 

@@ -212,3 +212,23 @@ def test_a_warm_up_runs_compile_line_becomes_the_rows_first_compile():
     assert found == {"warm_compile_s": 41.2, "compile_phases": "dynamo 2.0 s, the forward 30.1 s, the backward 9.1 s"}
     assert compile_cell({"compile_s": 2.6, **found}) == "41 / 3" and compile_cell({"compile_s": 35.4}) == "35"
     assert first_compile(Ended("exit", 1, "Traceback ...\n", 3.0)) == {}  # a failed warm-up: the timed run's alone
+
+
+def test_a_row_out_of_memory_through_fragmentation_runs_again_with_expandable_segments():
+    """The out-of-memory sentence names fragmentation (pretrain/oom.py's FRAGMENTED); the suite then runs the row
+    once more with the allocator's expandable segments, and that run stands for the row in the ratios."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import PARTS, expandable, ratios
+
+    from pretrain.oom import FRAGMENTED, _request_clause
+
+    assert FRAGMENTED in _request_clause({"request": 2**30, "free": 0, "unallocated": 2**31})
+    row = next(r for r in PARTS["serial"] if r.name == "rt/300m-12l graphs b512")
+    again = expandable(row)
+    assert again.name == "rt/300m-12l graphs b512 expandable" and again.config == row.config
+    assert again.env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and again.overrides == row.overrides
+    assert expandable(again) is None  # once
+    results = [{"row": row.name, "status": "rc 2", "fragmented": True},
+               {"row": again.name, "retry_of": row.name, "tokens_per_s": 50_000.0},
+               {"row": "rt/t-300m-12l", "tokens_per_s": 200_000.0}]
+    assert "- RT / Transformer time per token: 4.00x (the paper's 3.1x; aim below 3x)" in ratios(results)
