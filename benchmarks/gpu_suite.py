@@ -207,9 +207,10 @@ def last_line(log: str) -> str:
     return ([ln for ln in log.strip().splitlines() if ln.strip()][-1:] or ["(no output)"])[0][:200]
 
 
-def row_run(row: Row, args, data_for, out: Path, steps: int, prefix: str = "") -> tuple[list[str], dict, Path]:
-    """What runs a row for `steps` steps: its command, its environment and its run directory (emptied)."""
-    config, cfg, micro, _ = row_shape(row, args)
+def row_run(row: Row, args, shape, data_for, out: Path, steps: int, prefix: str = "") -> tuple[list[str], dict, Path]:
+    """What runs a row for `steps` steps: its command, its environment and its run directory (emptied);
+    `shape`: row_shape's."""
+    config, cfg, micro, _ = shape
     data, tok = data_for(cfg.model.vocab_size)
     run_dir = fresh_run_dir(out, prefix + row.name)
     overrides = row_overrides(row, micro, steps, data, tok, run_dir, args.dry_run)
@@ -227,9 +228,9 @@ def stopper(args, run_dir: Path, steps: int):
 
 def run_row(row: Row, args, data_for, out: Path) -> dict:
     check_gpu_overrides(row, out)  # the paper config takes the GPU run's whole override set, dry run or not
-    config, cfg, micro, seq_len = row_shape(row, args)
+    shape = config, cfg, micro, seq_len = row_shape(row, args)
     steps = args.warmup + args.steps
-    cmd, env, run_dir = row_run(row, args, data_for, out, steps)
+    cmd, env, run_dir = row_run(row, args, shape, data_for, out, steps)
     if args.dry_run:
         same = (config, tuple(o for o in cmd if not o.startswith(("train.run_dir", "checkpoint.every"))))
         if same in args.dry_runs:  # rows that differ only in their micro batch train the same dry run once
@@ -282,16 +283,14 @@ def warm_up(rows: list[Row], args, data_for, out: Path) -> dict:
 
     jobs = []
     for row in rows:
-        config, cfg, micro, seq_len = row_shape(row, args)
-        cmd, env, run_dir = row_run(row, args, data_for, out, 1, prefix="warm_")
+        shape = _, cfg, micro, seq_len = row_shape(row, args)
+        cmd, env, run_dir = row_run(row, args, shape, data_for, out, 1, prefix="warm_")
         gib = planner_gib(cfg, micro, seq_len)
         jobs.append(Job(row.name, cmd, out / f"log_{run_dir.name}.txt", args.cap * row.cap_x, ROOT,
                         stopper(args, run_dir, 1), env, gib))
         if row.hf:
-            spec = {"config": config, "overrides": row.overrides, "micro": micro, "seq_len": seq_len, "steps": 1,
-                    "warmup": 1, "dry": args.dry_run}
-            jobs.append(Job(hf_name(row), [sys.executable, __file__, "--hf-row", json.dumps(spec)],
-                            out / "log_warm_hf.txt", args.cap, ROOT, gib=gib))
+            jobs.append(Job(hf_name(row), hf_command(row, args, shape, steps=1, warmup=1), out / "log_warm_hf.txt",
+                            args.cap, ROOT, gib=gib))
     cuda = torch.cuda.is_available() and not args.dry_run
     budget = 0.85 * torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else float("inf")
     t0 = time.perf_counter()
@@ -408,14 +407,20 @@ def hf_row(config: str, overrides: list[str], micro: int, seq_len: int, steps: i
             "loss": float(loss), "steps": steps, "paths": "HF sdpa", "status": "ok"}
 
 
+def hf_command(row: Row, args, shape, steps: int, warmup: int) -> list[str]:
+    """The subprocess that runs hf_row at the row's shape (row_shape's)."""
+    config, _, micro, seq_len = shape
+    spec = {"config": config, "overrides": row.overrides, "micro": micro, "seq_len": seq_len, "steps": steps,
+            "warmup": warmup, "dry": args.dry_run}
+    return [sys.executable, __file__, "--hf-row", json.dumps(spec)]
+
+
 def run_hf(row: Row, args, out: Path) -> dict:
-    config, _, micro, seq_len = row_shape(row, args)
-    spec = {"config": config, "overrides": row.overrides, "micro": micro, "seq_len": seq_len, "steps": args.steps,
-            "warmup": args.warmup, "dry": args.dry_run}
+    _, _, micro, seq_len = shape = row_shape(row, args)
     result = {"row": hf_name(row), "config": row.config, "note": "transformers LlamaForCausalLM, "
               "compiled, fused AdamW" if not args.dry_run else "transformers LlamaForCausalLM",
               "compiled": not args.dry_run, "micro": micro, "seq_len": seq_len}
-    ended, rc, log, result["wall_s"] = run_capped([sys.executable, __file__, "--hf-row", json.dumps(spec)], args.cap,
+    ended, rc, log, result["wall_s"] = run_capped(hf_command(row, args, shape, args.steps, args.warmup), args.cap,
                                                   out / "log_hf.txt")
     if ended == "cap":
         return {**result, "status": f"cap {args.cap:.0f} s"}
@@ -489,8 +494,6 @@ def profile_row(row: Row, args, data_for, out: Path) -> Path:
     except _Captured:
         pass
     return path
-
-
 
 
 class _Captured(Exception):
