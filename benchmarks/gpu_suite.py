@@ -316,8 +316,9 @@ def planner_gib(cfg, micro: int, seq_len: int) -> float | None:
     estimate; None for an architecture without an activation estimate."""
     from pretrain.oom import estimate
 
+    # the default schedule: memory does not depend on it, and a token-counted one (SPS's) refuses the new batch
     cfg = replace(cfg, train=replace(cfg.train, micro_batch_seqs=micro, global_batch_seqs=micro),
-                  data=replace(cfg.data, seq_len=seq_len))
+                  data=replace(cfg.data, seq_len=seq_len), schedule=type(cfg.schedule)())
     found = estimate(cfg, 1)
     return found.bytes / 2**30 if found.known else None
 
