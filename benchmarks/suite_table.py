@@ -36,9 +36,9 @@ def compile_cell(r: dict) -> str:
 
 def ratios(results: list[dict]) -> list[str]:
     """The issue's targets as ratios measured in this run."""
-    by = {r["row"]: r for r in results if r.get("tokens_per_s")}
+    by = {r["row"]: r for r in results if r.get("tokens_per_s") and not r.get("zero_grads")}
     for r in results:  # a row run again with expandable segments stands for it in the ratios
-        if r.get("retry_of") and r.get("tokens_per_s"):
+        if r.get("retry_of") and r.get("tokens_per_s") and not r.get("zero_grads"):
             by.setdefault(r["retry_of"], r)
     out = []
 

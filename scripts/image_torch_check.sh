@@ -32,7 +32,7 @@ if [ $# -eq 0 ]; then
   set -- tests/test_compile_blocks.py tests/test_captured.py tests/test_custom_ops.py tests/test_gpn.py tests/test_rt.py \
     tests/test_delta_memory_triton.py tests/test_block_sparse_attention.py tests/test_kernel_measure.py \
     tests/test_registry.py tests/test_launch.py tests/test_slurm.py tests/test_gpu_suite.py tests/test_cuda_build.py \
-    tests/test_host_syncs.py
+    tests/test_host_syncs.py tests/test_lm_loss.py
 fi
 # the venv's bin first: tests that start `pretrain` or torchrun by name get this torch too
 export PATH="$VENV/bin:$PATH" DS_ACCELERATOR=cpu TORCHINDUCTOR_CACHE_DIR="$VENV/inductor-cache" \

@@ -246,3 +246,22 @@ def test_a_row_out_of_memory_through_fragmentation_runs_again_with_expandable_se
                {"row": again.name, "retry_of": row.name, "tokens_per_s": 50_000.0},
                {"row": "rt/t-300m-12l", "tokens_per_s": 200_000.0}]
     assert "- RT / Transformer time per token: 4.00x (the paper's 3.1x; aim below 3x)" in ratios(results)
+
+
+def test_a_row_whose_every_gradient_norm_is_zero_is_marked_and_left_out_of_the_ratios(tmp_path):
+    """RT's and GPN's compiled runs on the H200 logged a gradient norm of 0 at every step (the chunked loss under
+    torch 2.11) with plausible losses and speeds: the suite says so instead of reporting a ratio."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import ratios, read_metrics
+
+    def metrics(norms):
+        path = tmp_path / "metrics.jsonl"
+        path.write_text("".join(json.dumps({"step": i + 1, "tokens_per_s": 1000.0, "tflops": 1.0, "mfu": 0.1,
+                                            "grad_norm": n}) + "\n" for i, n in enumerate(norms)))
+        return read_metrics(path, 1, 100)
+
+    assert metrics([0.0, 0.0, 0.0])["zero_grads"] and not metrics([0.0, 0.3, 0.0])["zero_grads"]
+    rt = {"row": "rt/300m-12l graphs b512", "tokens_per_s": 50_000.0, **metrics([0.0, 0.0])}
+    t = {"row": "rt/t-300m-12l", "tokens_per_s": 200_000.0}
+    assert not any("RT / Transformer" in line for line in ratios([rt, t]))
+    assert any("RT / Transformer" in line for line in ratios([{**rt, "zero_grads": False}, t]))

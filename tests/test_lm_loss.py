@@ -118,3 +118,17 @@ def test_chunked_under_bf16_autocast_follows_the_reference():
     assert out[1][1].dtype == torch.float32
     torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(out[1][1], out[0][1], rtol=5e-2, atol=5e-3)
+
+
+def test_chunked_compiled_keeps_its_gradients():
+    """Compiled, the chunked loss gives eager's value and gradients. On torch 2.11 (the GPU image's) the running
+    total added in place into the Function's output made dynamo trace a backward of zeros: every gradient of
+    RT's and GPN's compiled 512-sequence runs was 0 on the H200 (2026-11-30); scripts/image_torch_check.sh runs
+    this file under that torch."""
+    h, w, y, m = _case(2, 13, 8, 37, dtype=torch.float32)
+    eager = _grads(chunked.lm_loss, h, w, y, m, chunk=5)
+    torch._dynamo.reset()
+    got = _grads(torch.compile(chunked.lm_loss, backend="aot_eager", fullgraph=True), h, w, y, m, chunk=5)
+    assert float(eager[2].abs().sum()) > 0
+    for a, b, name in zip(got, eager, ("loss", "grad h", "grad weight")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

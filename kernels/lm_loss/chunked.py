@@ -50,7 +50,9 @@ class _ChunkedLoss(torch.autograd.Function):
             logits = (hc @ weight.t()).to(acc)  # [c, V]
             lse = torch.logsumexp(logits, -1)
             target = logits.gather(1, yc.clamp(min=0)[:, None])[:, 0]
-            total += ((lse - target) * wc).sum()
+            # out of place: torch 2.11's dynamo, given this Function's output mutated in place, traced a backward
+            # of zeros (every gradient of a compiled model with model.loss_chunk was 0 on the H200, 2026-11-30)
+            total = total + ((lse - target) * wc).sum()
             if grad_h is None and grad_w is None:
                 continue
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
