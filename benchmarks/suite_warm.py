@@ -21,6 +21,7 @@ What keeps the timed figures honest:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,18 +78,29 @@ def run_many(jobs: list[Job], at_once: int = 1, budget_gib: float = float("inf")
                        "stop" if job.stop() else None)
                 if how is None:
                     continue
-                _end(proc, log)
+                _end(proc, log, stacks=how == "cap")
                 done[key] = Ended(how, proc.returncode, job.log.read_text(), wall)
                 del running[key]
             if running:
                 time.sleep(poll_s)
     finally:  # stopped, capped, or the suite itself ended (SIGTERM from `timeout`): the groups go too
         for _, proc, log, _ in running.values():
-            _end(proc, log)
+            _end(proc, log, stacks=True)
     return done
 
 
-def _end(proc: subprocess.Popen, log) -> None:
+STACKS_S = 2.0  # how long a run stopped at its cap has to print its stacks
+
+
+def _end(proc: subprocess.Popen, log, stacks: bool = False) -> None:
+    """Kill the run's process group; with `stacks` (a cap, or the suite's own end) it first prints where it is
+    (`pretrain train` prints every thread's stack on SIGUSR2: pretrain/cli.py), so a row that never finished
+    compiling says which part of the compile held it."""
+    if proc.poll() is None and stacks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR2)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(STACKS_S)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import io
 import json
+import signal
 import sys
 import traceback
 
@@ -178,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         use_caching_allocator()
     if argv is None and args.verb == "train":  # the program: leave without tearing down the process group
         from parallel.dist import exit_process
+
+        # `kill -USR2 PID` prints every thread's Python stack and training goes on: where a hang or a long
+        # compile is (the GPU suite sends it to a run it stops at its cap); SIGUSR1 is a stop signal
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
 
         try:
             code = _run(args)

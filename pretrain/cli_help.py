@@ -72,6 +72,8 @@ any work; once the run has its own checkpoint, it resumes that and init_from is 
 Ctrl-C finishes the current step on every rank, writes a checkpoint and exits (130); a second
 Ctrl-C stops at once, keeping the latest checkpoint. train.stop_signals (default SIGTERM, SIGUSR1:
 what Slurm sends before a time limit or a preemption) do the same and exit 75 for a requeue.
+`kill -USR2 PID` prints every thread's Python stack to stderr and the run goes on: where a hang or a
+long compile is.
 
 A step whose loss or grad norm is not finite stops the run (train.nan_policy=stop) or is skipped
 without touching the optimizer (train.nan_policy=skip); more than train.max_bad_steps (default 5)

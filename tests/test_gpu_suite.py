@@ -265,3 +265,20 @@ def test_a_row_whose_every_gradient_norm_is_zero_is_marked_and_left_out_of_the_r
     t = {"row": "rt/t-300m-12l", "tokens_per_s": 200_000.0}
     assert not any("RT / Transformer" in line for line in ratios([rt, t]))
     assert any("RT / Transformer" in line for line in ratios([{**rt, "zero_grads": False}, t]))
+
+
+def test_a_run_stopped_at_its_cap_prints_where_it_was(tmp_path):
+    """A row capped before its first step (the masked baseline/s compiling past 120 s on the H200) said nothing
+    of where the time went: `pretrain train` prints every thread's stack on SIGUSR2 and goes on, and the suite
+    sends it before killing a run at its cap."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import write_data
+    from suite_warm import Job, run_many
+
+    prefix, tok = write_data(tmp_path / "data", 4096, 20_000)
+    cmd = [sys.executable, "-m", "pretrain.cli", "train", "baseline/tiny", f"data.train=[{prefix}]", "data.valid=[]",
+           f"data.tokenizer={tok}", "train.max_steps=100000", "checkpoint.every=0", "train.eval_every=0",
+           "train.compile=false", f"train.run_dir={tmp_path / 'run'}"]
+    ended = run_many([Job("capped", cmd, tmp_path / "capped.log", 20.0, ROOT)], poll_s=0.2)["capped"]
+    assert ended.how == "cap", ended.log[-2000:]
+    assert "most recent call first" in ended.log and "pretrain/cli.py" in ended.log, ended.log[-2000:]
