@@ -83,9 +83,9 @@ train.skip_outlier_window steps.
 
 On a GPU: train.compile (default on) compiles the model (RT: its read-out alone; its layers' position
 loops would unroll). train.compile_scope=blocks compiles each block apart instead (blocks alike share
-one graph: compiling takes about one block's time). train.cuda_graphs=auto|on|off (default off until
-measured) replays RT's layers and GPN's BPTT segments as CUDA graphs, eager elsewhere with one line
-saying so (on: refused where it cannot run); docs/kernels.md, "Captured regions".
+one graph: compiling takes about one block's time). train.cuda_graphs=auto|on|off (default off; auto
+in RT's and GPN's paper configs) replays RT's layers and GPN's BPTT segments as CUDA graphs, eager
+elsewhere with one line saying so (on: refused where it cannot run); docs/kernels.md, "Captured regions".
 
 """ + _RUN_PATHS
 

@@ -271,13 +271,16 @@ def _candidate(cfg, spec, hw, memory_gib: float, stages: list[StageReport], para
 def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int) -> tuple[int, bool]:
     """(the fullest rank's bytes with micro batch mb, whether its activations are in them): each stage's
     weights, gradients and optimizer state (parallel/plan.py's table) and its activations (the registry's
-    activation_bytes x the stage's share / tp x the micro batches in flight, under bf16 `bf16_activations`)."""
+    activation_bytes x the stage's share / tp x the micro batches in flight, under bf16 `bf16_activations`), and
+    the static buffers of captured loops under train.cuda_graphs (the registry's captured_bytes)."""
     from parallel.plan import engine_of, in_flight, state_bytes
 
     T, tp, pp = cfg.data.seq_len, parallel.tp, parallel.pp
     M = cfg.train.global_batch_seqs // (mb * dp)
     whole = spec.activation_bytes(cfg.model, T, mb, parallel.recompute)
     worst, known = 0, whole is not None
+    # the captured loops' static buffers (train.cuda_graphs; one set on each rank that runs the loops)
+    graphs = spec.captured_bytes(cfg.model, T, mb) if spec.captured_bytes and cfg.train.cuda_graphs != "off" else 0
     if known and cfg.train.precision in ("auto", "bf16"):  # auto: bf16 on the GPUs the planner plans for
         whole = bf16_activations(cfg.model, whole, mb * T, spec.bf16_kept(parallel.recompute))
     for r in stages:
@@ -285,7 +288,7 @@ def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int)
         if known:
             act = whole * r.act_fraction / tp
             act *= in_flight(pp, r.stage, M, parallel.virtual_stages)
-        worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act))
+        worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act + graphs))
     return worst, known
 
 

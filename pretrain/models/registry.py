@@ -169,6 +169,9 @@ class ArchSpec:
     # (what they are in words, for the start line; None with why not in this run, e.g. without the
     # recompute that makes a segment a region). Default: none, (None, None).
     captured_regions: Callable[[Any], tuple[str | None, str | None]] = lambda run: (None, None)
+    # The static buffers those regions hold while captured, captured_bytes(model_cfg, seq_len, micro_batch) ->
+    # bytes, which the planner adds under train.cuda_graphs on/auto. Default: None (not estimated).
+    captured_bytes: Callable[[Any, int, int], int] | None = None
     # Token ids the model uses internally, {name: id} from its config (SPS's <predict>): the trainer
     # refuses a dataset that holds one, and generation never samples one (its logits are left as the
     # model computes them, so the decode relation still compares the model's own). Default: none.

@@ -551,6 +551,18 @@ def activation_bytes(cfg: RTConfig, seq_len: int, batch: int, recompute: str = "
     return int(4 * batch * seq_len * columns)
 
 
+def captured_bytes(cfg: RTConfig, seq_len: int, batch: int) -> int:
+    """The static buffers of RT's captured loops (train.cuda_graphs; kernels/captured.py), one set for all
+    layers: the forward's input x and output Z, the backward's x, Z, its incoming gradient and dx (six fp32
+    [B, T, d]), the two regions' softmax statistics (fp32 [B, H, T] each), and one layer's parameter
+    gradients (fp32). tests/test_rt.py checks it against the emulated backend's buffers; on the H200 it was
+    8,583 MiB at 512 x 512 tokens (rt/300m-12l), which the planner had left out."""
+    if not cfg.recurrent:
+        return 0
+    d, f, H = cfg.d_model, cfg.ffn, cfg.n_heads
+    return 4 * (batch * seq_len * (6 * d + 2 * H) + 4 * d * d + 2 * d * f + 4 * d)
+
+
 def serial_loop(cfg: RTConfig, seq_len: int) -> tuple[int, float] | None:
     """Each RT layer produces its positions one at a time (spec §3): T dependent steps per layer. What runs
     inside them, per token and layer (spec §3.3, §3.5): forward the output projection and MLP (2 d^2 +
@@ -578,6 +590,7 @@ SPEC = register(ArchSpec(
     decode=DecodeRelation("exact"),
     pipeline_split=pipeline_split,
     activation_bytes=activation_bytes,
+    captured_bytes=captured_bytes,
     serial_loop=serial_loop,
     hf=RemoteAdapter("rt"),  # --format hf: remote code generated from this file (pretrain/hf_remote)
     supports=Support(tp=False, sp=False, pp=True, zero_stages=(0, 1, 2), reasons={
