@@ -25,7 +25,8 @@ Bytes per rank (fp32 parameters, AdamW), by parallel.data_parallel:
 with n the rank's parameters (1/tp of a split matrix, its stage's units). Activations: the
 architecture's activation_bytes (per micro batch at its recompute policy) x the stage's share of the
 units / tp x the micro batches 1F1B keeps in flight on it (pp - stage; interleaved with v stages per rank:
-((pp - stage - 1) x 2 + (v - 1) x pp + 1) / v, megatron's warm-up), halved under bf16; 2 GiB reserved.
+((pp - stage - 1) x 2 + (v - 1) x pp + 1) / v, megatron's warm-up), halved under bf16; under
+train.cuda_graphs auto or on, the static buffers of the captured loops (RT's: 6 fp32 [b, T, d]); 2 GiB reserved.
 
 --gpus N: every tp (dividing the GPUs, at most a node's 8) x pp x dp layout, engine, recompute policy
 and micro batch the config validates under, with (F the architecture's FLOPs per token, M micro
