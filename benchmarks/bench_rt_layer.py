@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
     p.add_argument("--compile", action="store_true",
                    help="compile the pieces each position runs, as train.compile does (RT.compile); GPU only")
+    p.add_argument("--profile", type=int, default=0, metavar="B",
+                   help="after the table, one graphed forward and backward at batch B under torch.profiler: its "
+                        "kernels by device time (where a position's time goes)")
     p.add_argument("--dry-run", action="store_true", help="CPU, d 32, 4 heads, N 16, batches 2,4: the machinery only")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -121,6 +124,32 @@ def main(argv=None) -> int:
                                         f"{rows[(B, m, b)]:.2f} ms" if rows[(B, m, b)] is not None else "OOM"
                                         for m in ("off", "on") for b in phases), flush=True)
 
+    def profile(B, what):
+        """One forward and backward after a warm call, captured and then eager, its operators and kernels by
+        self time on the device (CPU time in a dry run). Eager beside captured: the same kernels, should the
+        profiler not see inside a replayed graph. The whole model's profile held about a million kernel records a
+        step and ran out of time in the profiler's own post-processing (2026-11-29): one layer holds 1/12 of a
+        step's."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
+        cuda = device.type == "cuda"
+        for mode in ("on", "off"):
+            captured.reset()
+            x = torch.randn(B, args.seq, args.d_model, device=device, requires_grad=True)
+            with captured.step(mode, log=lambda *_: None):
+                call(x, True)  # captures (on)
+                call(x, True)  # a warm call
+                sync()
+                with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+                    call(x, True)
+                    sync()
+            block.zero_grad(set_to_none=True)
+            print(f"\n### One RT layer's forward and backward at batch {B}, {'captured' if mode == 'on' else 'eager'}, "
+                  f"by {'kernel (device time)' if cuda else 'operator (CPU time: a dry run)'} ({what})\n")
+            print(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                            row_limit=20))
+
     def ended(*_):
         raise _Ended
 
@@ -152,6 +181,8 @@ def main(argv=None) -> int:
             print(f"| ours, {name}{', fwd+bwd' if backward else ''} | "
                   + " | ".join(cell(rows[(b, mode, backward)]) for b in batches) + " |")
     print("\n" + "\n".join(f"- batch {b}: {text}" for b, text in sorted(held.items())) + f"\n- paths: {describe_paths_used()}")
+    if args.profile:
+        profile(args.profile, what)
     fit = {b: rows[(b, "on", False)] for b in batches if b >= 512 and rows[(b, "on", False)] is not None}
     if len(fit) >= 2 and not args.dry_run:
         shape = dict(d=args.d_model, f=4 * args.d_model, T=args.seq)

@@ -43,7 +43,9 @@ if has layer && [ "$PART" = serial ]; then
   # the batches of spec-003 §3.7's table that matter (two at 512 or more refit the planner: measured first, so
   # that a timeout leaves the refit; the table sorts them), with the pieces compiled as training runs them (not
   # in a dry run: its emulated graphs cannot run compiled code)
-  if [ -n "${DRY:-}" ]; then LAYER_ARGS="--dry-run"; else LAYER_ARGS="--compile --batches ${LAYER_BATCHES:-512,2048,32,128}"; fi
+  # then (LAYER_PROFILE=B, default 512) one layer's kernels by device time at batch B, captured and eager
+  if [ -n "${DRY:-}" ]; then LAYER_ARGS="--dry-run --profile 2"
+  else LAYER_ARGS="--compile --batches ${LAYER_BATCHES:-512,2048,32,128} --profile ${LAYER_PROFILE:-512}"; fi
   timeout "${LAYER_S:-200}" python3 benchmarks/bench_rt_layer.py $LAYER_ARGS > "$OUT/rt_layer.md" 2>&1
   echo "rt layer: rc $?"; grep -E "^\| |constants" "$OUT/rt_layer.md"
 fi

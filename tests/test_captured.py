@@ -504,11 +504,15 @@ def test_the_rt_layer_benchmark_runs_its_table_on_a_cpu():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "benchmarks/bench_rt_layer.py"), "--dry-run", "--reps", "1"],
-                          cwd=root, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(root / "benchmarks/bench_rt_layer.py"), "--dry-run", "--reps", "1",
+                           "--profile", "2"], cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "| ours, CUDA graphs, fwd+bwd |" in proc.stdout
     assert "- batch 4: captured: rt_prefill forward 1 graph, rt_prefill backward 1 graph;" in proc.stdout
+    # --profile: the layer's operators, captured and eager, its custom forward and backward among them
+    for mode in ("captured", "eager"):
+        table = proc.stdout.split(f"forward and backward at batch 2, {mode}, by operator")[1]
+        assert "TiledPrefillBackward" in table.split("###")[0] and "aten::mm" in table.split("###")[0]
 
 
 def test_the_rt_layer_benchmark_ended_by_sigterm_prints_the_batches_it_finished():
