@@ -428,6 +428,11 @@ def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
     return Graph(static, outputs, replay, keep=fn, mutates=mutates)
 
 
+def static_bytes() -> int:
+    """The bytes of the static buffers the captured regions hold (the planner's captured_bytes estimates them)."""
+    return sum(t.numel() * t.element_size() for t in _state.buffers.values())
+
+
 def summary() -> str:
     """The regions captured so far, for the trainer's kernels line: '' when none."""
     if not _state.graphs:
@@ -436,7 +441,7 @@ def summary() -> str:
     for (name, *_), graph in _state.graphs.items():
         group = name[0] if isinstance(name, tuple) else name
         groups[group] = groups.get(group, 0) + 1
-    static = sum(t.numel() * t.element_size() for t in _state.buffers.values())
+    static = static_bytes()
     pool = getattr(_state.backend, "pool_bytes", 0)
     return ("captured: " + ", ".join(f"{g} {n} graph{'s' if n > 1 else ''}" for g, n in groups.items())
             + f"; {_state.replays:,} replays; static buffers {static / 2**20:,.0f} MiB, graph pool {pool / 2**20:,.0f} MiB")

@@ -555,7 +555,7 @@ def captured_bytes(cfg: RTConfig, seq_len: int, batch: int) -> int:
     """The static buffers of RT's captured loops (train.cuda_graphs; kernels/captured.py), one set for all
     layers: the forward's input x and output Z, the backward's x, Z, its incoming gradient and dx (six fp32
     [B, T, d]), the two regions' softmax statistics (fp32 [B, H, T] each), and one layer's parameter
-    gradients (fp32). tests/test_rt.py checks it against the emulated backend's buffers; on the H200 it was
+    gradients (fp32). tests/test_captured.py checks it against the emulated backend's buffers; on the H200 it was
     8,583 MiB at 512 x 512 tokens (rt/300m-12l), which the planner had left out."""
     if not cfg.recurrent:
         return 0
