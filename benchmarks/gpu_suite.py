@@ -216,7 +216,10 @@ def row_run(row: Row, args, shape, data_for, out: Path, steps: int, prefix: str 
     overrides = row_overrides(row, micro, steps, data, tok, run_dir, args.dry_run)
     if args.dry_run:
         overrides = [o for o in overrides if not o.startswith(("model.predict_id", "model.eos_id"))]
-    return [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], ({} if args.dry_run else row.env), run_dir
+    env = {} if args.dry_run else dict(row.env)
+    if args.stacks_every:
+        env["PRETRAIN_STACKS_EVERY"] = str(args.stacks_every)
+    return [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], env, run_dir
 
 
 def stopper(args, run_dir: Path, steps: int):
@@ -521,6 +524,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8, help="timed steps per run (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first one compiles)")
     p.add_argument("--cap", type=float, default=150, help="seconds a run may take before it is stopped")
+    p.add_argument("--stacks-every", type=float, default=20, metavar="S",
+                   help="each run prints every thread's stack each S seconds until its first step is logged, so a "
+                        "compile that runs long says where (PRETRAIN_STACKS_EVERY; 0: never)")
     p.add_argument("--only", action="append", default=[],
                    help="run only this row (a row's exact name), or the rows whose names contain it (repeatable)")
     p.add_argument("--profile", default="", help="also profile this row (a name from the parts)")

@@ -26,7 +26,9 @@ with n the rank's parameters (1/tp of a split matrix, its stage's units). Activa
 architecture's activation_bytes (per micro batch at its recompute policy) x the stage's share of the
 units / tp x the micro batches 1F1B keeps in flight on it (pp - stage; interleaved with v stages per rank:
 ((pp - stage - 1) x 2 + (v - 1) x pp + 1) / v, megatron's warm-up), halved under bf16; under
-train.cuda_graphs auto or on, the static buffers of the captured loops (RT's: 6 fp32 [b, T, d]); 2 GiB reserved.
+train.cuda_graphs auto or on, the static buffers of the captured loops (RT's: 6 fp32 [b, T, d]; GPN's under
+parallel.recompute=full: its state 5 times, its loop's matrices 3 times, 5 [b, n, d] per segment length n;
+none under pipeline stages); 2 GiB reserved.
 
 --gpus N: every tp (dividing the GPUs, at most a node's 8) x pp x dp layout, engine, recompute policy
 and micro batch the config validates under, with (F the architecture's FLOPs per token, M micro
@@ -74,7 +76,8 @@ Ctrl-C finishes the current step on every rank, writes a checkpoint and exits (1
 Ctrl-C stops at once, keeping the latest checkpoint. train.stop_signals (default SIGTERM, SIGUSR1:
 what Slurm sends before a time limit or a preemption) do the same and exit 75 for a requeue.
 `kill -USR2 PID` prints every thread's Python stack to stderr and the run goes on: where a hang or a
-long compile is.
+long compile is. PRETRAIN_STACKS_EVERY=S prints them every S seconds until the first step is logged (a
+first step that compiles for minutes, sampled; the GPU suite sets 20).
 
 A step whose loss or grad norm is not finite stops the run (train.nan_policy=stop) or is skipped
 without touching the optimizer (train.nan_policy=skip); more than train.max_bad_steps (default 5)

@@ -279,8 +279,7 @@ def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int)
     M = cfg.train.global_batch_seqs // (mb * dp)
     whole = spec.activation_bytes(cfg.model, T, mb, parallel.recompute)
     worst, known = 0, whole is not None
-    # the captured loops' static buffers (train.cuda_graphs; one set on each rank that runs the loops)
-    graphs = spec.captured_bytes(cfg.model, T, mb) if spec.captured_bytes and cfg.train.cuda_graphs != "off" else 0
+    graphs = captured_static_bytes(cfg, spec, parallel, mb)
     if known and cfg.train.precision in ("auto", "bf16"):  # auto: bf16 on the GPUs the planner plans for
         whole = bf16_activations(cfg.model, whole, mb * T, spec.bf16_kept(parallel.recompute))
     for r in stages:
@@ -290,6 +289,19 @@ def rank_bytes(cfg, spec, stages: list[StageReport], parallel, dp: int, mb: int)
             act *= in_flight(pp, r.stage, M, parallel.virtual_stages)
         worst = max(worst, int(state_bytes(r.params, r.tensors, engine_of(parallel), dp).total + act + graphs))
     return worst, known
+
+
+def captured_static_bytes(cfg, spec, parallel, mb: int) -> int:
+    """The captured loops' static buffers on each rank that runs them (the registry's captured_bytes), under
+    train.cuda_graphs on/auto, where this layout has regions to capture: GPN's segments only under
+    parallel.recompute=full, and none under pipeline parallelism (kernels/captured.why_not)."""
+    from kernels.captured import why_not
+
+    if spec.captured_bytes is None or cfg.train.cuda_graphs == "off":
+        return 0
+    if why_not(*spec.captured_regions(replace(cfg, parallel=parallel)), parallel.pp, spec.name):
+        return 0
+    return spec.captured_bytes(cfg.model, cfg.data.seq_len, mb)
 
 
 def bf16_activations(model_cfg, fp32_bytes: float, positions: int, kept: float) -> float:

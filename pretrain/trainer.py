@@ -12,6 +12,7 @@ consumed samples, so a resumed run reads exactly the samples the uninterrupted r
 """
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import shutil
@@ -502,6 +503,7 @@ class Trainer:
             self.wandb.log(record)
         if not self.kernels_reported:  # after the first logged step, once: which kernel paths ran
             self.kernels_reported = True
+            faulthandler.cancel_dump_traceback_later()  # the first step's stack samples end (PRETRAIN_STACKS_EVERY)
             self.log(f"kernels: {describe_paths_used()}" + (f" | {graphs}" if (graphs := captured.summary()) else ""))
             if compiling is not None and (said := compile_report.line(self.step, *compiling)) is not None:
                 self.log(said)  # where a compiled run's first step went (pretrain/compile_report.py)

@@ -581,3 +581,25 @@ def test_rt_captured_bytes_are_the_static_buffers_the_regions_hold(emulated, kw)
         _loss_and_grads(model, collate((tokens.numpy(), tokens.numpy() * 0), eod_id=None), "on")
         held = captured.static_bytes()
         assert held == captured_bytes(model.cfg, 18, B), (B, held)  # 19 tokens: 18 inputs (data.seq_len's)
+
+
+@pytest.mark.parametrize("kw", [dict(segment=5), dict(segment=4, tbptt=6), dict(segment=8, tbptt=4),
+                                dict(segment=7, n_layers=2), dict(segment=5, reset_at_documents=True),
+                                dict(segment=5, mem_heads=0, n_layers=1), dict(position0="uniform"), dict(segment=21)],
+                         ids=["segments", "tbptt", "one-step-cuts", "two-layers", "doc-resets", "bare", "uniform", "one"])
+def test_gpn_captured_bytes_are_the_static_buffers_the_segments_hold(emulated, kw):
+    """The planner's term for GPN's captured segments (gpn.captured_bytes) equals the buffers the two bodies keep
+    at two batches, the shorter last segment, truncation cuts (a one-step segment at a cut writes no gradient of
+    G) and the document resets' keep included: on the H200 they were 2,786 MiB at 128 x 2,048, and the
+    formula gives the same at gpn-m-130m's shape (tests/test_plan.py)."""
+    from pretrain.models.gpn import captured_bytes, folded_numbers
+
+    model = test_gpn.model_of(dtype=torch.float32, **kw)
+    model.segment_recompute = True
+    assert sum(t.numel() for t in model.folded().tensors()) == folded_numbers(model.cfg)
+    for B in (1, 3):
+        captured.reset(emulated)
+        docs = torch.tensor([[0] * 9 + [1] * 13] * B).numpy() if kw.get("reset_at_documents") else None
+        _loss_and_grads(model, test_gpn.batch_of(B=B, docs=docs), "on")
+        held = captured.static_bytes()
+        assert held == captured_bytes(model.cfg, 21, B), (B, held)  # 22 tokens: 21 inputs (data.seq_len's)

@@ -282,3 +282,30 @@ def test_a_run_stopped_at_its_cap_prints_where_it_was(tmp_path):
     ended = run_many([Job("capped", cmd, tmp_path / "capped.log", 20.0, ROOT)], poll_s=0.2)["capped"]
     assert ended.how == "cap", ended.log[-2000:]
     assert "most recent call first" in ended.log and "pretrain/cli.py" in ended.log, ended.log[-2000:]
+
+
+def test_stacks_are_sampled_until_the_first_step_is_logged(tmp_path):
+    """PRETRAIN_STACKS_EVERY=S (the suite sets it for its rows): a run prints every thread's stack each S seconds
+    while it starts (on a GPU: its compile), so a first step that takes minutes says where, sampled, and not
+    once it has trained a step; a bad value is one sentence before any work."""
+    import os
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import write_data
+
+    prefix, tok = write_data(tmp_path / "data", 4096, 20_000)
+    cmd = [sys.executable, "-m", "pretrain.cli", "train", "baseline/tiny", f"data.train=[{prefix}]", "data.valid=[]",
+           f"data.tokenizer={tok}", "train.max_steps=8", "schedule.warmup_steps=0", "train.global_batch_seqs=4",
+           "train.micro_batch_seqs=4", "train.log_every=1", "checkpoint.every=0",
+           "train.eval_every=0", "train.compile=false", f"train.run_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PRETRAIN_STACKS_EVERY": "0.3"}
+    with open(tmp_path / "log.txt", "w") as log:  # one stream in the order written (unbuffered)
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300, check=True)
+    text = (tmp_path / "log.txt").read_text()
+    before, sep, after = text.partition("kernels: ")
+    assert sep and "most recent call first" in before, text[-3000:]
+    assert "most recent call first" not in after, after[:3000]
+    bad = subprocess.run(cmd, cwd=ROOT, env={**env, "PRETRAIN_STACKS_EVERY": "soon"}, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "PRETRAIN_STACKS_EVERY='soon'" in bad.stderr, bad.stderr[-2000:]
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr

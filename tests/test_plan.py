@@ -313,6 +313,29 @@ def test_the_planner_offers_micro_batches_up_to_the_whole_batch(config, batch):
     assert best.fits and best.micro_batch == max(c.micro_batch for c in found if c.fits) > 64
 
 
+def test_the_captured_loops_buffers_count_only_where_a_layout_captures():
+    """The planner adds the registry's captured_bytes (tests/test_captured.py checks them against the regions'
+    buffers) only where the run captures: train.cuda_graphs not off, GPN under parallel.recompute=full (its
+    segments are the regions), and no pipeline stages (kernels/captured.why_not refuses them)."""
+    from dataclasses import replace
+
+    from pretrain.config import load_config
+    from pretrain.models.registry import get_arch
+    from pretrain.plan import captured_static_bytes
+
+    gpn = load_config("gpn/gpn-m-130m", [], check_data=False)
+    spec = get_arch("gpn")
+    held = spec.captured_bytes(gpn.model, 2048, 128)
+    assert captured_static_bytes(gpn, spec, gpn.parallel, 128) == held > 2 * 2**30  # 2,786 MiB on the H200
+    assert captured_static_bytes(gpn, spec, replace(gpn.parallel, recompute="none"), 128) == 0
+    off = load_config("gpn/gpn-m-130m", ["train.cuda_graphs=off"], check_data=False)
+    assert captured_static_bytes(off, spec, off.parallel, 128) == 0
+    rt = load_config("rt/300m-12l", [], check_data=False)
+    rt_spec = get_arch("rt")
+    assert captured_static_bytes(rt, rt_spec, rt.parallel, 512) == rt_spec.captured_bytes(rt.model, 512, 512) > 0
+    assert captured_static_bytes(rt, rt_spec, replace(rt.parallel, pp=2), 512) == 0
+
+
 @pytest.mark.parametrize("pp, virtual, M", [(2, 1, 8), (4, 1, 2), (4, 2, 8), (8, 2, 16), (4, 3, 12), (4, 2, 4)])
 def test_the_planners_micro_batches_in_flight_are_megatrons_warm_up(pp, virtual, M):
     """in_flight x v - 1 (the steady state's one forward taken off) is the warm-up megatron-core's

@@ -110,6 +110,15 @@ class GPNConfig(ModelConfig):
         """The segments' length at window T: model.segment, or ceil(sqrt(T)); the last one may be shorter."""
         return self.segment or max(1, math.isqrt(max(T - 1, 0)) + 1)
 
+    def segments(self, T: int) -> tuple[list[tuple[int, int]], set[int]]:
+        """The window's BPTT segments [start, end) over T steps, and the steps where truncated BPTT cuts: every
+        segment_for(T) steps, and a segment also starts at each cut (the step boundary mK of the code's window
+        falls in the step grounding its (mK)-th token)."""
+        S, K = self.segment_for(T), self.tbptt
+        cuts = set(range(K - 1, T, K)) if K else set()
+        starts = sorted(set(range(0, T, S)) | cuts)
+        return list(zip(starts, starts[1:] + [T])), cuts
+
 
 def _lecun(fan_in: int, fan_out: int, bias: bool = False) -> ReplicatedLinear:
     """flax's lecun_normal: variance 1 / fan_in after truncation at two standard deviations."""
@@ -544,11 +553,7 @@ class GPN(Whole, nn.Module):
         if cfg.reset_at_documents and doc_ids is not None:
             keep = torch.ones(B, T, dtype=G.dtype, device=G.device)
             keep[:, 1:] = (doc_ids[:, 1:] == doc_ids[:, :-1]).to(G.dtype)
-        S, K = cfg.segment_for(T), cfg.tbptt
-        # step boundary mK of the code's window falls in the step grounding its (mK)-th token: a segment starts there
-        cuts = set(range(K - 1, T, K)) if K else set()
-        starts = sorted(set(range(0, T, S)) | cuts)
-        bounds = list(zip(starts, starts[1:] + [T]))
+        bounds, cuts = cfg.segments(T)
         # the segments' slices of G by one split, whose backward joins their gradients once (a slice each
         # would add a zero gradient of the whole window per segment)
         Gs = G.split([e - s for s, e in bounds], 1)
@@ -640,6 +645,39 @@ def bptt_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none"
     return 4 * batch * floats
 
 
+def folded_numbers(cfg: GPNConfig) -> int:
+    """How many numbers GPN.folded() holds: the fused gate's matrix and bias, layer 0's stacked projections (with
+    the write's) and the later layers', each with its bias row (zeros where a projection has none), the read-outs
+    W_o, the FFNs' W_2, and the write's decay rate and key projection."""
+    d, F_, H, dk, dv, L = cfg.d_state, cfg.d_ffn, cfg.mem_heads, cfg.d_key, cfg.d_value, cfg.n_layers
+    read = H * dk + H * dv if H else 0  # W_q, W_rg
+    rows_first = 2 * F_ + d + read + (H * dv + 2 * H if H else 0)  # + W_v, W_beta, W_a
+    rows_later = 2 * F_ + d + read
+    mem = L * d * H * dv + H + H * dk * (d + 1) if H else 0  # W_o per layer, -exp(A_log), W_k and its bias
+    return d * (d + 1) + rows_first * (d + 1) + (L - 1) * rows_later * (d + 1) + L * d * F_ + mem
+
+
+def captured_bytes(cfg: GPNConfig, seq_len: int, batch: int) -> int:
+    """The static buffers of GPN's captured segments (train.cuda_graphs, under parallel.recompute=full;
+    kernels/captured.py), fp32, for `batch` windows of seq_len tokens: each body's inputs and outputs, shared
+    by every segment of one length. The forward reads the start state, the segment's G and the folded
+    matrices and writes s^p over the segment and the end state; the backward reads what the forward read
+    plus the outputs' gradients and writes the gradients of the state (where some segment after the first
+    starts off a truncation cut), of G (where a step of the segment follows its cut) and of every matrix.
+    So: the state 5 times (4 without such a segment), the matrices 3 times, and per distinct segment length
+    n 5 [B, n, d] (4 for a length only a one-step segment at a cut has; 2 [B, n] more for the document
+    resets' keep). tests/test_captured.py checks it against the emulated backend's buffers; on the H200 they
+    were 2,786 MiB at gpn-m-130m's 128 x 2,048."""
+    T = seq_len - 1 if cfg.position0 == "uniform" else seq_len  # the code's window: position 0 from zeros
+    bounds, cuts = cfg.segments(T)
+    lengths = {e - s for s, e in bounds}
+    with_dG = {e - s for s, e in bounds if s not in cuts or e - s > 1}  # a cut's own step: no gradient to G
+    state = parameter_counts(cfg)["state_numbers"]
+    state_grad = any(s > 0 and s not in cuts for s, _ in bounds)
+    per_step = sum(lengths) * (4 * cfg.d_state + (2 if cfg.reset_at_documents else 0)) + sum(with_dG) * cfg.d_state
+    return 4 * (batch * ((4 + state_grad) * state + per_step) + 3 * folded_numbers(cfg))
+
+
 def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
     """The planner's peak (its registry `activation_bytes`): BPTT's bytes and the tied head's, which keeps
     the fp32 logits and adds their gradient and softmax in the backward (3 V numbers per position),
@@ -697,6 +735,7 @@ SPEC = register(ArchSpec(
     flops_formula=FLOPS_FORMULA,
     info=info,
     activation_bytes=activation_bytes,
+    captured_bytes=captured_bytes,
     # the state and memory stay fp32 and autocast keeps bf16 copies beside them (CPU autocast: 2.3-2.9x the fp32
     # peak); recomputed segments keep only their fp32 inputs (0.87-0.92x)
     bf16_kept=lambda recompute: 2.5 if recompute == "none" else 0.9,

@@ -662,6 +662,15 @@ class GPNConfig(ModelConfig):
         """The segments' length at window T: model.segment, or ceil(sqrt(T)); the last one may be shorter."""
         return self.segment or max(1, math.isqrt(max(T - 1, 0)) + 1)
 
+    def segments(self, T: int) -> tuple[list[tuple[int, int]], set[int]]:
+        """The window's BPTT segments [start, end) over T steps, and the steps where truncated BPTT cuts: every
+        segment_for(T) steps, and a segment also starts at each cut (the step boundary mK of the code's window
+        falls in the step grounding its (mK)-th token)."""
+        S, K = self.segment_for(T), self.tbptt
+        cuts = set(range(K - 1, T, K)) if K else set()
+        starts = sorted(set(range(0, T, S)) | cuts)
+        return list(zip(starts, starts[1:] + [T])), cuts
+
 
 def _lecun(fan_in: int, fan_out: int, bias: bool = False) -> ReplicatedLinear:
     """flax's lecun_normal: variance 1 / fan_in after truncation at two standard deviations."""
@@ -1096,11 +1105,7 @@ class GPN(Whole, nn.Module):
         if cfg.reset_at_documents and doc_ids is not None:
             keep = torch.ones(B, T, dtype=G.dtype, device=G.device)
             keep[:, 1:] = (doc_ids[:, 1:] == doc_ids[:, :-1]).to(G.dtype)
-        S, K = cfg.segment_for(T), cfg.tbptt
-        # step boundary mK of the code's window falls in the step grounding its (mK)-th token: a segment starts there
-        cuts = set(range(K - 1, T, K)) if K else set()
-        starts = sorted(set(range(0, T, S)) | cuts)
-        bounds = list(zip(starts, starts[1:] + [T]))
+        bounds, cuts = cfg.segments(T)
         # the segments' slices of G by one split, whose backward joins their gradients once (a slice each
         # would add a zero gradient of the whole window per segment)
         Gs = G.split([e - s for s, e in bounds], 1)
