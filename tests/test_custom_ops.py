@@ -157,13 +157,13 @@ def test_outputs_follow_their_inputs_layout():
 
 
 # -- the model, compiled through the forced Triton path ------------------------------------------------
-def tiny_document_model_and_batch():
+def tiny_document_model_and_batch(n_layers=1):
     from pretrain.data import collate
     from pretrain.models import get_arch
 
     spec = get_arch("baseline")
     torch.manual_seed(0)
-    model = spec.build(spec.config_cls(vocab_size=97, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2,
+    model = spec.build(spec.config_cls(vocab_size=97, d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2,
                                        max_seq_len=64, document_mask=True))
     samples = torch.randint(3, 97, (2, 41), generator=torch.Generator().manual_seed(0)).numpy()
     samples[0, [5, 6, 20]] = 2  # documents, one of a single token
@@ -197,6 +197,40 @@ def test_compiled_document_masked_model_equals_eager_through_the_triton_path():
         attn.use_path(None)
         torch._dynamo.reset()
     assert attn.paths_used() == {"triton"}
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@needs_device
+def test_a_compiled_model_builds_the_masks_tile_lists_once_not_per_layer():
+    """Under a whole-model compile the mask is made inside the graph and caches its views there (masks.py,
+    Mask.cached): the tile lists' scans and sorts appear once for three layers (they appeared once per layer,
+    12 copies at baseline/s for inductor to compile on a GPU), and the compiled run equals the eager one."""
+    import collections
+
+    import kernels.attention as attn
+
+    model, batch = tiny_document_model_and_batch(n_layers=3)
+    model, batch = model.to(DEVICE), batch.to(DEVICE)
+    ops = collections.Counter()
+
+    def counting(gm, inputs):
+        ops.update(str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
+                   if n.op in ("call_function", "call_method"))
+        return gm.forward
+
+    attn.use_path("triton")
+    try:
+        want_loss, want = loss_and_grads(model, batch)
+        torch._dynamo.reset()
+        got_loss, got = loss_and_grads(model, batch, torch.compile(model, backend=counting, fullgraph=True))
+    finally:
+        attn.use_path(None)
+        torch._dynamo.reset()
+    assert ops["block_sparse_attention.default"] == 3, ops
+    # document_bounds' one cummax and cummin; the forward's and the backward's partial and full lists: 4 sorts
+    assert (ops["cummax"], ops["cummin"], ops["argsort"]) == (1, 1, 4), ops
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
