@@ -117,14 +117,14 @@ def bench_memory(a) -> None:
     print(f"\n# peak activation memory of one training step (forward + backward), GPN+M d={cfg.d_state} E={cfg.d_emb} "
           f"F={cfg.d_ffn} memory {cfg.mem_heads} x {cfg.d_key} x {cfg.d_value}, vocab {a.vocab}, batch {a.mem_batch}, "
           f"model.loss_chunk={cfg.loss_chunk}, fp32; fresh process each; one memory M = {cell_mb:.2f} MB; estimate: "
-          f"pretrain info's bptt_bytes")
-    from pretrain.models.gpn import bptt_bytes
+          f"the planner's activation_bytes")
+    from pretrain.models.gpn import activation_bytes
 
     print(f"{'T':>6} {'S':>4} {'none MB':>9} {'estimate':>9} {'full MB':>9} {'estimate':>9} {'full/none':>10} "
           f"{'step s none':>12} {'step s full':>12}")
     for T in a.mem_seqs:
         n, f = res[(T, "none")], res[(T, "full")]
-        est = {p: bptt_bytes(cfg, T, a.mem_batch, p) / 2**20 for p in ("none", "full")}
+        est = {p: activation_bytes(cfg, T, a.mem_batch, p) / 2**20 for p in ("none", "full")}
         print(f"{T:>6} {cfg.segment_for(T):>4} {n['mb']:>9,.1f} {est['none']:>9,.1f} {f['mb']:>9,.1f} {est['full']:>9,.1f} "
               f"{f['mb'] / n['mb']:>9.2f}x {n['s']:>12.2f} {f['s']:>12.2f}")
     for lo, hi in zip(a.mem_seqs, a.mem_seqs[1:]):

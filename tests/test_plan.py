@@ -182,6 +182,13 @@ ESTIMATES += [("rt", "none", []), ("rt", "none", ["model.n_layers=4", "model.ffn
 ESTIMATES += [("cart", policy, over) for policy in ("none", "pass", "loop", "block")
               for over in ([], ["model.n_layers=4", "model.n_loops=2", "model.ffn_hidden=768"])]
 ESTIMATES += [("gpn", policy, over) for policy in ("none", "full") for over in ([], ["model.n_layers=2"])]
+# GPN's segments at shapes where the window's [T, d] tensors (a long window, a small memory) and the folded
+# matrices (a wide state and FFN, two layers) weigh most: the estimate was 0.57 and 0.62 of these peaks
+GPN_SMALL = ["model.vocab_size=512", "model.d_emb=64"]
+ESTIMATES += [("gpn", "full", [*GPN_SMALL, "model.mem_heads=1", "model.d_key=8", "model.d_value=8", "model.d_state=256",
+                               "model.d_ffn=512", "data.seq_len=1024"]),
+              ("gpn", "full", [*GPN_SMALL, "model.mem_heads=6", "model.d_key=32", "model.d_value=32", "model.d_state=384",
+                               "model.d_ffn=768", "data.seq_len=512", "model.n_layers=2"])]
 ESTIMATES += [("crt", policy, ["model.k_min=0", *over]) for policy in ("none", "full", "block")  # K = k_max
               for over in ([], ["model.n_layers=4", "model.k_max=2"])]
 # model.loss_chunk (kernels/lm_loss's memory_columns): the loss keeps no logits, one chunk's at a time

@@ -630,19 +630,21 @@ def parameter_counts(cfg: GPNConfig) -> dict[str, int]:
 
 
 def bptt_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
-    """BPTT's activation bytes for `batch` windows of seq_len in fp32: with recompute "none", what autograd
+    """BPTT's activation bytes for `batch` windows of seq_len in fp32. With recompute "none", what autograd
     keeps per step (about (1 + L) memories, for the write's and each read's backward, and some tens of
-    state-wide vectors: a fit to the saved tensors, checked by tests/test_gpn.py) times T; with segment
-    recomputation, the T/S segment-start states plus one live segment of S steps."""
+    state-wide vectors, the window's own [T, d] tensors among them: a fit to the saved tensors, checked by
+    tests/test_gpn.py) times T. With segment recomputation, the loop's backward: the T/S segment-start states,
+    one live segment of S steps (about (1/2 + L) memories a step), two [T, d] (G, the gradient of s^p) and,
+    whatever the batch, the folded matrices three times (their values, their summed gradients and one
+    segment's); a fit to the peaks of 22 shapes (tests/test_plan.py checks some)."""
     n = parameter_counts(cfg)
-    H, L = cfg.mem_heads, cfg.n_layers
-    per_step = (1 + L) * n["memory_cells"] + 14 * cfg.d_state + 4 * cfg.d_ffn * L + 3 * H * (cfg.d_key + cfg.d_value)
+    H, L, d = cfg.mem_heads, cfg.n_layers, cfg.d_state
+    vectors = 14 * d + 4 * cfg.d_ffn * L + 3 * H * (cfg.d_key + cfg.d_value)
     if recompute == "none":
-        floats = seq_len * per_step
-    else:
-        S = cfg.segment_for(seq_len)
-        floats = -(-seq_len // S) * n["state_numbers"] + S * per_step
-    return 4 * batch * floats
+        return 4 * batch * seq_len * ((1 + L) * n["memory_cells"] + vectors)
+    S = cfg.segment_for(seq_len)
+    floats = -(-seq_len // S) * n["state_numbers"] + S * ((0.5 + L) * n["memory_cells"] + vectors) + 2 * seq_len * d
+    return int(4 * (batch * floats + 3 * folded_numbers(cfg)))
 
 
 def folded_numbers(cfg: GPNConfig) -> int:
@@ -679,13 +681,25 @@ def captured_bytes(cfg: GPNConfig, seq_len: int, batch: int) -> int:
 
 
 def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none") -> int:
-    """The planner's peak (its registry `activation_bytes`): BPTT's bytes and the tied head's, which keeps
-    the fp32 logits and adds their gradient and softmax in the backward (3 V numbers per position),
-    within 15% of tests/test_plan.py's measured peak; under model.loss_chunk, one chunk's logits and the
-    gradient of the head's input (kernels/lm_loss's memory_columns; the paper configs chunk: without it, 128
-    windows of 2,048 would need 94 GiB for the head alone)."""
+    """The planner's peak (its registry `activation_bytes`), within 15% of tests/test_plan.py's measured peak.
+    The tied head keeps the fp32 logits and adds their gradient and softmax in the backward (3 V numbers per
+    position); under model.loss_chunk, one chunk's logits and the gradient of the head's input (kernels/lm_loss's
+    memory_columns; the paper configs chunk: without it, 128 windows of 2,048 would need 94 GiB for the head
+    alone). Without recompute they add to BPTT's bytes. Under segment recomputation the peak is the larger of
+    two moments: the loss's backward (the head's columns, the segment-start states, four [T, d] and three
+    [T, E] of the window around the loop: G, s^p, the decoder's and the fuse's norms; the folded matrices once)
+    and the loop's backward (bptt_bytes), which begins after the head's columns are freed. At gpn-m-130m's
+    128 x 2,048 (bf16) the planner said 33.7 GiB where the H200 measured 45.7, before the [T, d] terms and
+    the captured buffers were counted."""
     kept, peak = memory_columns(cfg.vocab_size, cfg.d_emb, batch * seq_len, cfg.loss_chunk)
-    return bptt_bytes(cfg, seq_len, batch, recompute) + int(4 * batch * seq_len * (kept + peak))
+    head = 4 * batch * seq_len * (kept + peak)
+    loop = bptt_bytes(cfg, seq_len, batch, recompute)
+    if recompute == "none":
+        return loop + int(head)
+    S = cfg.segment_for(seq_len)
+    states = -(-seq_len // S) * parameter_counts(cfg)["state_numbers"]
+    around = seq_len * (4 * cfg.d_state + 3 * cfg.d_emb)
+    return max(loop, int(head + 4 * (batch * (states + around) + folded_numbers(cfg))))
 
 
 def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:
@@ -713,14 +727,16 @@ def info(cfg: GPNConfig) -> list[str]:
     n = parameter_counts(cfg)
     state_bytes = 4 * n["state_numbers"]
     T = 2048
-    none, full = bptt_bytes(cfg, T, 1, "none"), bptt_bytes(cfg, T, 1, "full")
+    shared = bptt_bytes(cfg, T, 0, "full")  # the folded matrices, their gradients: whatever the batch
+    none, full = bptt_bytes(cfg, T, 1, "none"), bptt_bytes(cfg, T, 1, "full") - shared
     return [f"inside the time loop: {n['loop']:,} parameters ({n['loop'] / n['total']:.0%}); the rest (embedding, "
             "fuse, decode) runs once over the window",
             f"decode state: {n['state_numbers']:,} numbers per sequence, {state_bytes:,} bytes in fp32 (memory "
             f"{n['memory_cells']:,} cells), whatever the context length",
             f"BPTT activations per sequence (estimate): {none / T / 2**20:,.2f} MB per token with parallel.recompute=none "
             f"({none / 2**30:,.2f} GB at a {T:,}-token window); {full / 2**20:,.0f} MB at {T:,} with "
-            f"parallel.recompute=full (segments of {cfg.segment_for(T)})"]
+            f"parallel.recompute=full (segments of {cfg.segment_for(T)}), and {shared / 2**20:,.0f} MB for the loop's "
+            "matrices and their gradients whatever the batch"]
 
 
 def _recompute_segments(model: GPN) -> None:
