@@ -62,6 +62,8 @@ def main(argv=None) -> int:
         ap.error(f"model.arch {cfg.model.arch!r} has no activation_bytes estimate in its registry")
     torch.manual_seed(0)
     model = spec.build(cfg.model).train()
+    if cfg.parallel.recompute != "none":  # the config's policy, as the trainer applies it (GPN's segments)
+        spec.recompute_policies()[cfg.parallel.recompute].apply(model)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # the backward adds into them, as in training
     T, policy, bf16 = cfg.data.seq_len, cfg.parallel.recompute, not a.fp32

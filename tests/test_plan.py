@@ -382,6 +382,23 @@ def test_activation_peak_prints_each_batch_beside_the_planner_and_notes_a_chunk_
     assert lines[-1].startswith("per sequence ") and "at the config's micro batch" in lines[-1]
 
 
+def test_activation_peak_measures_under_the_configs_recompute_policy():
+    """activation_peak.py said "recompute full" for GPN's configs but measured without the segments (0.72 of
+    the planner's figure at gpn/tiny, T 512; at gpn-m-130m's window it ran out of 24 GB at one sequence): it
+    applies the config's policy as the trainer does, and its figure meets the planner's."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks/activation_peak.py"), "gpn/tiny", "--batches", "1,2", "--fp32",
+           "data.seq_len=512"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert "recompute full" in lines[0], lines[0]
+    rows = [line.split() for line in lines[2:4]]
+    assert [row[0] for row in rows] == ["1", "2"] and all(0.9 < float(row[3]) < 1.1 for row in rows), rows
+
+
 def test_live_bytes_names_the_code_running_at_the_peak():
     from live_memory import LiveBytes
 
