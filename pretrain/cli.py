@@ -10,7 +10,6 @@ import contextlib
 import faulthandler
 import io
 import json
-import os
 import signal
 import sys
 import traceback
@@ -288,35 +287,21 @@ def _plan(args) -> int:
     return 0
 
 
-STACKS_ENV = "PRETRAIN_STACKS_EVERY"
-
-
-def stacks_every() -> float:
-    """PRETRAIN_STACKS_EVERY=S: print every thread's stack each S seconds until the first step is logged (0 or
-    unset: never); a bad value is one sentence."""
-    text = os.environ.get(STACKS_ENV, "").strip()
-    try:
-        every = float(text or 0)
-    except ValueError:
-        every = -1.0
-    if not 0 <= every < float("inf"):
-        raise ValueError(f"{STACKS_ENV}={text!r}: give the seconds between stack dumps (0: none)")
-    return every
-
-
 def _train(args) -> int:
     from pretrain.config import load_config
     from pretrain.trainer import Trainer
 
-    # a first step that takes minutes (a compile) says where it is, sampled; the trainer stops it once the
-    # first step is logged (the GPU suite sets it for its rows)
-    if every := stacks_every():
-        faulthandler.dump_traceback_later(every, repeat=True)
+    from pretrain import stack_samples
+
+    # a first step that takes minutes (a compile) says where it is, sampled (PRETRAIN_STACKS_EVERY); the trainer
+    # stops the samples once its first step is logged
+    if every := stack_samples.every():
+        stack_samples.start(every)
     try:
         trainer = Trainer(load_config(args.config, args.overrides))  # refuses a forced kernel path before any work
         record = trainer.fit()
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        stack_samples.stop()
     if "val_loss" in record:
         trainer.log(f"final: step {record['step']}, train loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} "
                     f"(ppl {record['val_ppl']:.1f})")

@@ -12,7 +12,6 @@ consumed samples, so a resumed run reads exactly the samples the uninterrupted r
 """
 from __future__ import annotations
 
-import faulthandler
 import math
 import os
 import shutil
@@ -30,7 +29,7 @@ from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_a
 from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
-from pretrain import compile_report
+from pretrain import compile_report, stack_samples
 from pretrain.bad_steps import NonFiniteLossError  # noqa: F401  (raised from here; callers import it here)
 from pretrain.bad_steps import BadSteps, data_position
 from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
@@ -503,7 +502,7 @@ class Trainer:
             self.wandb.log(record)
         if not self.kernels_reported:  # after the first logged step, once: which kernel paths ran
             self.kernels_reported = True
-            faulthandler.cancel_dump_traceback_later()  # the first step's stack samples end (PRETRAIN_STACKS_EVERY)
+            stack_samples.stop()  # the first step's stack samples end (PRETRAIN_STACKS_EVERY)
             self.log(f"kernels: {describe_paths_used()}" + (f" | {graphs}" if (graphs := captured.summary()) else ""))
             if compiling is not None and (said := compile_report.line(self.step, *compiling)) is not None:
                 self.log(said)  # where a compiled run's first step went (pretrain/compile_report.py)

@@ -303,8 +303,8 @@ def test_stacks_are_sampled_until_the_first_step_is_logged(tmp_path):
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=300, check=True)
     text = (tmp_path / "log.txt").read_text()
     before, sep, after = text.partition("kernels: ")
-    assert sep and "most recent call first" in before, text[-3000:]
-    assert "most recent call first" not in after, after[:3000]
+    assert sep and "stack sample 1 " in before and "pretrain/cli.py" in before, text[-3000:]
+    assert "stack sample" not in after, after[:3000]
     bad = subprocess.run(cmd, cwd=ROOT, env={**env, "PRETRAIN_STACKS_EVERY": "soon"}, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "PRETRAIN_STACKS_EVERY='soon'" in bad.stderr, bad.stderr[-2000:]
