@@ -643,8 +643,13 @@ def bptt_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = "none"
     if recompute == "none":
         return 4 * batch * seq_len * ((1 + L) * n["memory_cells"] + vectors)
     S = cfg.segment_for(seq_len)
-    floats = -(-seq_len // S) * n["state_numbers"] + S * ((0.5 + L) * n["memory_cells"] + vectors) + 2 * seq_len * d
+    floats = _start_states(cfg, seq_len) + S * ((0.5 + L) * n["memory_cells"] + vectors) + 2 * seq_len * d
     return int(4 * (batch * floats + 3 * folded_numbers(cfg)))
+
+
+def _start_states(cfg: GPNConfig, seq_len: int) -> int:
+    """The numbers a window's segment-start states hold (each segment's node keeps its own) under recompute."""
+    return -(-seq_len // cfg.segment_for(seq_len)) * parameter_counts(cfg)["state_numbers"]
 
 
 def folded_numbers(cfg: GPNConfig) -> int:
@@ -696,10 +701,8 @@ def activation_bytes(cfg: GPNConfig, seq_len: int, batch: int, recompute: str = 
     loop = bptt_bytes(cfg, seq_len, batch, recompute)
     if recompute == "none":
         return loop + int(head)
-    S = cfg.segment_for(seq_len)
-    states = -(-seq_len // S) * parameter_counts(cfg)["state_numbers"]
     around = seq_len * (4 * cfg.d_state + 3 * cfg.d_emb)
-    return max(loop, int(head + 4 * (batch * (states + around) + folded_numbers(cfg))))
+    return max(loop, int(head + 4 * (batch * (_start_states(cfg, seq_len) + around) + folded_numbers(cfg))))
 
 
 def flops_per_token(cfg: GPNConfig, seq_len: int, ctx=None) -> float:
