@@ -25,6 +25,10 @@ def table(results: list[dict]) -> str:
                      f"{compile_cell(r)} | {split_s} | {r.get('paths') or '—'} | {status} |")
     notes = [f"- {r['row']}: {r['note']}" for r in results if r.get("note")]
     notes += [f"- {r['row']} compile: {r['compile_phases']}" for r in results if r.get("compile_phases")]
+    for r in results:  # PRETRAIN_MEMORY_TRACE's reading of the allocator's record, as the run logged it
+        if r.get("memory_trace"):
+            notes += [f"- {r['row']} memory (the allocator's record of its warm-up steps):", "", "  ```",
+                      *(f"  {line}" for line in r["memory_trace"]), "  ```"]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 

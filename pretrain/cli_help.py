@@ -77,7 +77,9 @@ Ctrl-C stops at once, keeping the latest checkpoint. train.stop_signals (default
 what Slurm sends before a time limit or a preemption) do the same and exit 75 for a requeue.
 `kill -USR2 PID` prints every thread's Python stack to stderr and the run goes on: where a hang or a
 long compile is. PRETRAIN_STACKS_EVERY=S prints them every S seconds until the first step is logged (a
-first step that compiles for minutes, sampled; the GPU suite sets 20).
+first step that compiles for minutes, sampled; the GPU suite sets 20). PRETRAIN_MEMORY_TRACE=N (CUDA)
+records the memory allocator until step N ends, writes RUN_DIR/memory_trace.pickle (pytorch.org/memory_viz
+draws it) and logs the peak and what was alive then, by the line of code that allocated it.
 
 A step whose loss or grad norm is not finite stops the run (train.nan_policy=stop) or is skipped
 without touching the optimizer (train.nan_policy=skip); more than train.max_bad_steps (default 5)

@@ -29,7 +29,7 @@ from parallel.data_parallel import accumulation_steps, all_reduce_sum, dp_rank_a
 from parallel.dist import detect_env, init_distributed, rank_logger
 from parallel.engine import EngineSettings
 from parallel.mesh import layout
-from pretrain import compile_report, stack_samples
+from pretrain import compile_report, memory_trace, stack_samples
 from pretrain.bad_steps import NonFiniteLossError  # noqa: F401  (raised from here; callers import it here)
 from pretrain.bad_steps import BadSteps, data_position
 from pretrain.checkpoint import latest_checkpoint, load_latest, read_meta, save_checkpoint
@@ -245,6 +245,8 @@ class Trainer:
                                           env.world_size // (cfg.parallel.tp * cfg.parallel.pp),
                                           names=("train.global_batch_seqs", "train.micro_batch_seqs"))
         self.device = resolve_device(t)
+        # PRETRAIN_MEMORY_TRACE=N: the allocator's record from here (before the model) to step N
+        self.trace_steps = memory_trace.begin(self.device)
         self.amp_dtype = autocast_dtype(t, self.device)
         # a forced kernel path that cannot serve this model: one sentence before any work
         check_forced_paths(cfg.model, cfg.data.seq_len, self.device, param_dtype(t), self.amp_dtype, t.seed)
@@ -394,11 +396,14 @@ class Trainer:
         stop = StopOnSignal(t.stop_signals, announce=self.log)
         reset_paths_used()
         compiling = (compile_report.snapshot(), compile_report.measured_seconds()) if t.compile else None
+        first = self.step
         try:
             stop.install()
             while self.step < t.max_steps:
                 with step_memory_guard(self):  # out of memory: one sentence, nothing saved (pretrain/oom.py)
                     self._optimizer_step(batches, window)
+                if self.trace_steps and self.step >= first + self.trace_steps:
+                    self._end_trace(f"step {self.step} ended")
                 if self._log_due():
                     record = self._log_window(window, compiling)
                     window = Window.start(self.device, param_dtype(self.cfg.train))
@@ -411,7 +416,17 @@ class Trainer:
             stop.restore()
             _close_loader(batches)
             self._close_outputs()
+            if self.trace_steps:  # a run that ended first (its last step, an error, out of memory, a signal)
+                self._end_trace(f"the run's last step ({self.step}) ended" if self.step >= t.max_steps
+                                else f"the run stopped in step {self.step + 1}")
         return record
+
+    def _end_trace(self, why: str) -> None:
+        self.trace_steps = 0
+        try:
+            memory_trace.finish(self.run_dir, self.rank, self.world_size, self.log, why)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the run's own error, if any, is what matters
+            self.log(f"{memory_trace.HEADER}: not written: {type(e).__name__}: {e}")
 
     def _optimizer_step(self, batches, window: Window) -> None:
         """One step: the scheduled lr, forward/backward, the step itself (or its skip), into `window`."""

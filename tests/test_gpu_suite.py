@@ -130,6 +130,23 @@ def test_a_compiled_rows_phases_go_under_the_table():
     assert "sps/s compile" not in text
 
 
+def test_a_rows_memory_trace_goes_from_its_log_under_the_table():
+    # PRETRAIN_MEMORY_TRACE's lines (the GPN row sets it for its warm-up steps) say where the peak went
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import memory_trace_lines, table
+
+    log = ("step 1 | loss 10.4\nmemory trace: recorded until step 2 ended: 1,234 allocator events, written to r\n"
+           "memory trace: peak 45.70 GiB allocated, at event 99 of 1,234\n"
+           "memory trace:     30.00  66%     45 x 251.7 MiB  pretrain/models/gpn.py:300 (_segment_forward)\nstep 2\n")
+    lines = memory_trace_lines(log)
+    assert lines[1] == "peak 45.70 GiB allocated, at event 99 of 1,234" and len(lines) == 3
+    text = table([{"row": "gpn b128", "status": "ok", "memory_trace": lines}, {"row": "other", "status": "ok"}])
+    notes = text.split("\n\n", 1)[1].splitlines()
+    assert notes[0] == "- gpn b128 memory (the allocator's record of its warm-up steps):"
+    assert notes[2:] == ["  ```", *(f"  {line}" for line in lines), "  ```"]
+    assert "other memory" not in text
+
+
 def test_only_picks_a_row_by_its_exact_name_or_rows_by_a_part_of_theirs(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_suite import PARTS, pick
