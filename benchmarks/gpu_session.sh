@@ -52,7 +52,7 @@ fi
 if has tests; then
   timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_ops.py \
     tests/test_gpu_compile.py tests/test_phase_timer.py tests/test_captured.py tests/test_gpu_engines.py \
-    tests/test_hf_remote.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_hf_remote.py tests/test_memory_trace.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: rc $?"
   # the Triton kernels' tests run on CUDA when Triton's interpreter is off (it is, with a GPU: tests/conftest.py)
   timeout "${KERNEL_TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider tests/test_delta_memory_triton.py \

@@ -90,15 +90,16 @@ def ours(frame: dict) -> bool:
 def site(frames: list[dict]) -> str:
     """Where an allocation was made, in words: the innermost frame in the project's code (frames come
     innermost first), marked when a compiled graph made it; or what made it outside the project."""
-    compiled = any("torchinductor" in f["filename"] or f["filename"].startswith("<eval_with_key") for f in frames)
+    compiled = [f for f in frames if "torchinductor" in f["filename"] or f["filename"].startswith("<eval_with_key")]
     for f in frames:
         if ours(f):
             where = f"{os.path.relpath(f['filename'], ROOT)}:{f['line']} ({f['name']})"
             return f"{where}, compiled" if compiled else where
     if not frames:
         return "no Python frame (autograd's C++ backward, or a C++ caller)"
-    if compiled:
-        return "a compiled graph outside the project's code"
+    if compiled:  # a compiled backward runs from the autograd engine: the generated code's line tells buffers apart
+        f = compiled[0]
+        return f"compiled code {os.path.basename(f['filename'])}:{f['line']} ({f['name']}), no project frame"
     f = frames[0]
     return f"{os.path.basename(f['filename'])}:{f['line']} ({f['name']}), outside the project's code"
 

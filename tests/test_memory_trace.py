@@ -73,6 +73,8 @@ def test_the_stack_of_the_peak_is_the_projects_frames_outermost_first():
     assert memory_trace.stack(stack) == "pretrain/trainer.py:440 (_forward_backward) > pretrain/models/gpn.py:300 " \
         "(_segment_forward)"
     assert memory_trace.site(frames(("/x/torch/y.py", 1, "inner"))) == "y.py:1 (inner), outside the project's code"
+    backward = frames(("/tmp/torchinductor_me/q7/cq7.py", 88, "call"), ("/x/torch/_functorch/w.py", 5, "backward"))
+    assert memory_trace.site(backward) == "compiled code cq7.py:88 (call), no project frame"
 
 
 def test_a_bad_value_or_a_cpu_run_is_one_sentence_before_any_work(tmp_path, monkeypatch):
