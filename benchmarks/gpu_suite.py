@@ -69,6 +69,7 @@ class Row:
     note: str = ""
     hf: bool = False  # Hugging Face Llama at this row's shape, same batch, run right after it
     env: dict = field(default_factory=dict)  # environment of the run (a forced kernel path); not in a dry run
+    memory_trace: bool = False  # the allocator's record of its untimed warm-up steps (pretrain/memory_trace.py)
     cap_x: float = 1.0  # its cap is --cap times this: a document-masked first step also measures the attention
     # paths, FlexAttention's compile included (the H200 took 94 s to its first masked step, 35 s unmasked)
 
@@ -77,8 +78,6 @@ NOMASK = ["model.document_mask=false"]
 GRAPHS, GRAPHS_OFF = ["train.cuda_graphs=on"], ["train.cuda_graphs=off"]
 BLOCKS = ["train.compile_scope=blocks"]
 EXPANDABLE = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-# the allocator's record of the two untimed warm-up steps, read into where the peak went (pretrain/memory_trace.py)
-TRACE_WARMUP = {"PRETRAIN_MEMORY_TRACE": "warm-up"}  # row_run sets --warmup's steps
 PARTS = {
     "transformer": [
         Row("baseline/s no-mask", "baseline/s", NOMASK, hf=True, note="plain causal: like for like with HF"),
@@ -109,7 +108,7 @@ PARTS = {
         Row("gpn/gpn-m-130m", "gpn/gpn-m-130m", GRAPHS_OFF, micro=8),
         Row("gpn/gpn-m-130m graphs", "gpn/gpn-m-130m", GRAPHS, micro=8, note="each segment body a CUDA graph"),
         # its warm-up steps recorded by the allocator: the planner gives 35.8 GiB, the H200 held 45.7 (11-29)
-        Row("gpn/gpn-m-130m graphs b128", "gpn/gpn-m-130m", GRAPHS, micro=128, env=TRACE_WARMUP,
+        Row("gpn/gpn-m-130m graphs b128", "gpn/gpn-m-130m", GRAPHS, micro=128, memory_trace=True,
             note="the whole 128-sequence batch in one micro batch (issue 37)"),
         Row("gpn/gpn-130m graphs b128", "gpn/gpn-130m", GRAPHS, micro=128, note="bare GPN, beside GPN+M (issue 37)"),
         Row("gpn/gpn-m-2l-130m graphs b128", "gpn/gpn-m-2l-130m", GRAPHS, micro=128, note="GPN+M with two layers"),
@@ -227,7 +226,7 @@ def row_run(row: Row, args, shape, data_for, out: Path, steps: int, prefix: str 
     env = {} if args.dry_run else dict(row.env)
     if args.stacks_every:
         env["PRETRAIN_STACKS_EVERY"] = str(args.stacks_every)
-    if "PRETRAIN_MEMORY_TRACE" in env:  # the untimed steps only: recording slows a step
+    if row.memory_trace and not args.dry_run:  # the untimed steps only: recording slows a step (CUDA only)
         env["PRETRAIN_MEMORY_TRACE"] = str(args.warmup)
     return [sys.executable, "-m", "pretrain.cli", "train", config, *overrides], env, run_dir
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -110,13 +110,14 @@ def stack(frames: list[dict], depth: int = 5) -> str:
     return " > ".join(mine[-depth:]) if mine else site(frames)
 
 
-def _replay(events: list[dict], stop: int | None = None):
+def _replay(events: list[dict]):
     """Allocated bytes along the events (an allocation counts until its free is requested: the allocator's
-    allocated_bytes); yields (index, bytes, live) after each event up to `stop`. Frees of blocks allocated
-    before the record began (or before its ring dropped them) are yielded as negative `untraced`."""
+    allocated_bytes); yields (index, bytes, live blocks by address) after each event. A free of a block
+    allocated before the record began (or before its ring dropped it) lowers the bytes below the traced
+    ones: report() adds those blocks back as `before`."""
     live: dict[int, dict] = {}
     total = 0
-    for i, e in enumerate(events if stop is None else events[:stop + 1]):
+    for i, e in enumerate(events):
         action = e["action"]
         if action == "alloc":
             live[e["addr"]] = e
@@ -135,19 +136,15 @@ def report(events: list[dict], allocated_end: int, top: int = 10) -> list[str]:
     allocated when the record was taken (allocated_now), which dates the blocks allocated before it began."""
     if not events:
         return ["no allocator events were recorded"]
-    traced_end = 0
-    for _, traced_end, live in _replay(events):
-        pass
-    before = max(allocated_end - traced_end, 0)  # allocated before the first event, still or once
-    peak_at, peak = -1, before
+    highest, peak_at, total = 0, -1, 0
     for i, total, _ in _replay(events):
-        if before + total > peak:
-            peak_at, peak = i, before + total
+        if total > highest:
+            highest, peak_at = total, i
+    before = max(allocated_end - total, 0)  # allocated before the first event, still or once
+    peak = before + highest
     if peak_at < 0:
         return [f"peak {peak / GIB:,.2f} GiB allocated, all of it before the record began"]
-    live = {}
-    for _, _, live in _replay(events, peak_at):
-        pass
+    live = next(blocks for i, _, blocks in _replay(events) if i == peak_at)  # replayed up to the peak
     groups: dict[str, list[int]] = defaultdict(list)
     for e in live.values():
         groups[site(e.get("frames") or [])].append(e["size"])
@@ -159,7 +156,7 @@ def report(events: list[dict], allocated_end: int, top: int = 10) -> list[str]:
               f"{last['size'] / 2**20:,.1f} MiB from {stack(last.get('frames') or [])}"),
              "alive at the peak, by where it was allocated (GiB, share, blocks, the commonest block size):"]
     for where, sizes in ranked[:top]:
-        common = max(set(sizes), key=sizes.count)
+        common = Counter(sizes).most_common(1)[0][0]
         lines.append(f"  {sum(sizes) / GIB:8.2f} {sum(sizes) / peak:4.0%} {len(sizes):7,} x {common / 2**20:,.1f} MiB"
                      f"  {where}")
     rest = ranked[top:]
