@@ -29,11 +29,15 @@ if [ "$PART" = serial ]; then ROW=${PROFILE_ROW:-rt/300m-12l graphs}; PPART=seri
 else ROW=${PROFILE_ROW:-baseline/s no-mask}; PPART=transformer; STEPS=${STEPS:-8}; CAP=${CAP_S:-80}; PSTEPS=2; fi
 if has suite; then
   ONLY_ARGS=(); IFS=';' read -ra PICK <<< "${ONLY:-}"; for o in ${PICK[@]+"${PICK[@]}"}; do ONLY_ARGS+=(--only "$o"); done
+  # the suite rewrites its table after every row; a copier puts it in $OUT every few seconds, so a call stopped
+  # by the device tool's own limit (the session's time running out) still brings back the rows it finished
+  (while sleep 5; do cp /tmp/suite/suite_"$PART".* "$OUT"/ 2>/dev/null; done) & COPIER=$!
   timeout "${SUITE_S:-$([ "$PART" = serial ] && echo 560 || echo 330)}" python3 benchmarks/gpu_suite.py --part "$PART" \
     --out /tmp/suite --cap "$CAP" --steps "$STEPS" ${DRY:+--dry-run} --commit "${COMMIT:-}" ${ONLY_ARGS[@]+"${ONLY_ARGS[@]}"} \
     --warm-jobs "${WARM_JOBS:-0}" \
     > "$OUT/suite.log" 2>&1
-  echo "suite: rc $?"; cp /tmp/suite/suite_"$PART".* "$OUT"/ 2>/dev/null
+  RC=$?; kill "$COPIER" 2>/dev/null; wait "$COPIER" 2>/dev/null
+  echo "suite: rc $RC"; cp /tmp/suite/suite_"$PART".* "$OUT"/ 2>/dev/null
 fi
 if has profile; then
   timeout "${PROFILE_S:-100}" python3 benchmarks/gpu_suite.py --part $PPART --out /tmp/prof --profile-only ${DRY:+--dry-run} \
