@@ -137,18 +137,22 @@ def main(argv=None) -> int:
         for mode in ("on", "off"):
             captured.reset()
             x = torch.randn(B, args.seq, args.d_model, device=device, requires_grad=True)
+            totals = {}
             with captured.step(mode, log=lambda *_: None):
-                call(x, True)  # captures (on)
-                call(x, True)  # a warm call
-                sync()
-                with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-                    call(x, True)
+                for backward in (False, True):  # the forward alone, for the split of the summary below
+                    call(x, backward)  # captures (on)
+                    call(x, backward)  # a warm call
                     sync()
+                    with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+                        call(x, backward)
+                        sync()
+                    totals[backward] = work_items(prof.key_averages(), cuda)
             block.zero_grad(set_to_none=True)
             print(f"\n### One RT layer's forward and backward at batch {B}, {'captured' if mode == 'on' else 'eager'}, "
                   f"by {'kernel (device time)' if cuda else 'operator (CPU time: a dry run)'} ({what})\n")
             print(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                             row_limit=20))
+            print(per_position(totals[False], totals[True], args.seq, "kernels" if cuda else "operators"))
 
     def ended(*_):
         raise _Ended
@@ -191,6 +195,33 @@ def main(argv=None) -> int:
               f"step {step_s * 1e6:.1f} us, kappa {kappa:.3f} (today's, from the paper's table at "
               f"{RT_TABLE_SHAPE}: {SERIAL_STEP_S * 1e6:.1f} us, {SERIAL_KAPPA:.3f})")
     return 0
+
+
+def work_items(averages, cuda: bool) -> dict[str, tuple[int, float]]:
+    """{name: (calls, microseconds)} of a profile's key_averages: its kernels by device time (cuda), or its aten
+    operators by their own CPU time (a dry run)."""
+    from torch.autograd import DeviceType
+
+    if cuda:
+        return {e.key: (e.count, e.self_device_time_total) for e in averages
+                if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0}
+    return {e.key: (e.count, e.self_cpu_time_total) for e in averages if e.key.startswith("aten::")}
+
+
+def per_position(forward: dict, both: dict, positions: int, what: str = "kernels", top: int = 6) -> str:
+    """The profile summed and divided by the positions: microseconds and launches a position, forward and
+    backward (the forward-and-backward profile less the forward's), and the largest items of each, so the
+    serial loop's cost reads against its arithmetic (spec-003 §3.7: the loop's launches, not its FLOPs)."""
+    backward = {k: (n - forward.get(k, (0, 0.0))[0], us - forward.get(k, (0, 0.0))[1]) for k, (n, us) in both.items()}
+    lines = []
+    for name, items in (("forward", forward), ("backward", backward)):
+        n = sum(c for c, _ in items.values())
+        us = sum(t for _, t in items.values())
+        big = sorted(items.items(), key=lambda kv: -kv[1][1])[:top]
+        lines.append(f"- {name}: {us / positions:,.1f} us and {n / positions:.1f} {what} a position ({us / 1e3:,.1f} ms, "
+                     f"{n:,} {what}, {positions} positions); the largest, us a position: "
+                     + "; ".join(f"{k[:60]} {t / positions:,.1f} ({c / positions:.1f}x)" for k, (c, t) in big))
+    return "\n".join(lines)
 
 
 class _Ended(BaseException):

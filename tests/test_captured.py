@@ -513,6 +513,25 @@ def test_the_rt_layer_benchmark_runs_its_table_on_a_cpu():
     for mode in ("captured", "eager"):
         table = proc.stdout.split(f"forward and backward at batch 2, {mode}, by operator")[1]
         assert "TiledPrefillBackward" in table.split("###")[0] and "aten::mm" in table.split("###")[0]
+        # and summed a position, the forward apart from the backward
+        assert "- forward: " in table.split("###")[0] and "operators a position" in table.split("###")[0]
+        assert "- backward: " in table.split("###")[0]
+
+
+def test_the_rt_layer_profile_summary_takes_the_backward_as_both_less_the_forward():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from bench_rt_layer import per_position
+
+    forward = {"gemm": (8, 80.0), "norm": (4, 8.0)}
+    both = {"gemm": (24, 280.0), "norm": (8, 20.0), "tile_bwd": (4, 40.0)}
+    fwd, bwd = per_position(forward, both, positions=4, what="kernels", top=2).splitlines()
+    assert fwd.startswith("- forward: 22.0 us and 3.0 kernels a position (0.1 ms, 12 kernels, 4 positions)"), fwd
+    assert "gemm 20.0 (2.0x); norm 2.0 (1.0x)" in fwd, fwd
+    assert bwd.startswith("- backward: 63.0 us and 6.0 kernels a position"), bwd  # (200 + 12 + 40) / 4, (16 + 4 + 4) / 4
+    assert "gemm 50.0 (4.0x); tile_bwd 10.0 (1.0x)" in bwd, bwd
 
 
 def test_the_rt_layer_benchmark_ended_by_sigterm_prints_the_batches_it_finished():
