@@ -152,7 +152,8 @@ def main(argv=None) -> int:
                   f"by {'kernel (device time)' if cuda else 'operator (CPU time: a dry run)'} ({what})\n")
             print(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                             row_limit=20))
-            print(per_position(totals[False], totals[True], args.seq, "kernels" if cuda else "operators"))
+            print(per_position(totals[False], totals[True], args.seq, "kernels" if cuda else "operators",
+                               label=f"batch {B}, {'captured' if mode == 'on' else 'eager'}"))
 
     def ended(*_):
         raise _Ended
@@ -208,7 +209,7 @@ def work_items(averages, cuda: bool) -> dict[str, tuple[int, float]]:
     return {e.key: (e.count, e.self_cpu_time_total) for e in averages if e.key.startswith("aten::")}
 
 
-def per_position(forward: dict, both: dict, positions: int, what: str = "kernels", top: int = 6) -> str:
+def per_position(forward: dict, both: dict, positions: int, what: str = "kernels", top: int = 6, label: str = "") -> str:
     """The profile summed and divided by the positions: microseconds and launches a position, forward and
     backward (the forward-and-backward profile less the forward's), and the largest items of each, so the
     serial loop's cost reads against its arithmetic (spec-003 §3.7: the loop's launches, not its FLOPs)."""
@@ -218,7 +219,7 @@ def per_position(forward: dict, both: dict, positions: int, what: str = "kernels
         n = sum(c for c, _ in items.values())
         us = sum(t for _, t in items.values())
         big = sorted(items.items(), key=lambda kv: -kv[1][1])[:top]
-        lines.append(f"- {name}: {us / positions:,.1f} us and {n / positions:.1f} {what} a position ({us / 1e3:,.1f} ms, "
+        lines.append(f"- {name}{f' ({label})' if label else ''}: {us / positions:,.1f} us and {n / positions:.1f} {what} a position ({us / 1e3:,.1f} ms, "
                      f"{n:,} {what}, {positions} positions); the largest, us a position: "
                      + "; ".join(f"{k[:60]} {t / positions:,.1f} ({c / positions:.1f}x)" for k, (c, t) in big))
     return "\n".join(lines)

@@ -51,7 +51,7 @@ if has layer && [ "$PART" = serial ]; then
   if [ -n "${DRY:-}" ]; then LAYER_ARGS="--dry-run --profile 2"
   else LAYER_ARGS="--compile --batches ${LAYER_BATCHES:-512,2048,32,128} --profile ${LAYER_PROFILE:-512}"; fi
   timeout "${LAYER_S:-200}" python3 benchmarks/bench_rt_layer.py $LAYER_ARGS > "$OUT/rt_layer.md" 2>&1
-  echo "rt layer: rc $?"; grep -E "^\| |constants" "$OUT/rt_layer.md"
+  echo "rt layer: rc $?"; grep -E "^\| |constants|^- (forward|backward) " "$OUT/rt_layer.md" | cut -c1-400
 fi
 if has tests; then
   timeout "${TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_custom_ops.py \

@@ -514,8 +514,8 @@ def test_the_rt_layer_benchmark_runs_its_table_on_a_cpu():
         table = proc.stdout.split(f"forward and backward at batch 2, {mode}, by operator")[1]
         assert "TiledPrefillBackward" in table.split("###")[0] and "aten::mm" in table.split("###")[0]
         # and summed a position, the forward apart from the backward
-        assert "- forward: " in table.split("###")[0] and "operators a position" in table.split("###")[0]
-        assert "- backward: " in table.split("###")[0]
+        assert f"- forward (batch 2, {mode}): " in table.split("###")[0] and "operators a position" in table
+        assert f"- backward (batch 2, {mode}): " in table.split("###")[0]
 
 
 def test_the_rt_layer_profile_summary_takes_the_backward_as_both_less_the_forward():
