@@ -224,6 +224,7 @@ class _State:
     # one set a step, read by each of its ~45 segments, forward and backward)
     copied: dict = field(default_factory=dict)
     copies: int = 0  # input copies made (tests read it)
+    graphing: bool = False  # inside _capture: a region's warm-up and capture, the code its graph replays
 
 
 _state = _State()
@@ -401,6 +402,7 @@ def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
 def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
     """Warm fn up, then capture it reading the group's shared input buffers and writing its shared output
     buffers; None (said once) when the capture fails under "auto"."""
+    _state.graphing = True
     try:  # fn empties autocast's cache around each call already (_own_casts)
         static = [_buffer(group, "in", i, t) for i, t in enumerate(inputs)]
         _copy_in(static, inputs, reuse=False)
@@ -423,6 +425,8 @@ def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
         _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
         return None
+    finally:
+        _state.graphing = False
     if mutates:  # the warm-up wrote into the buffers
         _forget(static)
     return Graph(static, outputs, replay, keep=fn, mutates=mutates)
@@ -457,5 +461,47 @@ def reset(backend: object | None = None) -> None:
     _state = _State(backend=backend)
 
 
-__all__ = ["CudaGraphs", "Emulated", "MODES", "autocast_as", "autocast_state", "check", "region", "reset", "step",
-           "summary", "why_not"]
+def graphing() -> bool:
+    """Whether the code running now is a region's warm-up or capture: what its graph will replay, where the host
+    launches nothing. An op measured here times its paths as replayed graphs (replay_time): the RT tile."""
+    return _state.graphing
+
+
+_TIMING_RETIRED: list = []  # backends of timing captures that failed (their pools stay retired, as capture() says)
+
+
+def replay_time(run: Callable[[], object], warmup: int = 2, reps: int = 5, calls: int = 10) -> float:
+    """Seconds per run() as a replayed CUDA graph runs it: `warmup` runs first (Triton's compile, the allocator),
+    then `calls` runs captured into one graph of a pool of its own, replayed `reps` times between CUDA events;
+    the median over `calls`. Launches cost nothing there, as in a captured region: a path of several small
+    kernels is not charged the host's time to launch them, which wall_time (the default timer, a sync around
+    each call) counts. On the H200 (2026-11-30) wall_time gave every Triton tile of 1 to 16 keys 0.09-0.13 ms,
+    flat in the tile's size: a launch's cost, by the look of it, not the kernel's. Off CUDA, inside another
+    capture, or for a run a graph cannot hold (a host sync), registry.wall_time."""
+    from kernels.registry import wall_time
+
+    if not torch.cuda.is_available() or _capturing():
+        return wall_time(run)
+    for _ in range(warmup):
+        run()
+    backend = CudaGraphs()
+    try:
+        replay = backend.capture(lambda: [run() for _ in range(calls)], torch.device("cuda", torch.cuda.current_device()))
+    except Exception:  # noqa: BLE001 - a run no graph holds: timed as launched
+        _TIMING_RETIRED.append(backend)
+        return wall_time(run)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()  # the first replay uploads the graph
+    times = []
+    for _ in range(reps):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    times.sort()
+    return times[len(times) // 2]
+
+
+__all__ = ["CudaGraphs", "Emulated", "MODES", "autocast_as", "autocast_state", "check", "graphing", "region",
+           "replay_time", "reset", "step", "summary", "why_not"]

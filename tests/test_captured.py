@@ -227,6 +227,76 @@ def test_a_region_copies_inputs_in_and_outputs_out_and_recaptures_per_shape(emul
     assert emulated.captures == 3 and len(calls) == n + 1
 
 
+def test_graphing_is_true_in_a_regions_warm_up_and_capture_only(emulated):
+    """captured.graphing(): the code a graph will replay is running (an op measured there times its paths as
+    replayed, the RT tile): a region's warm-up and capture, not its replays, not outside a step."""
+    seen = []
+
+    def fn(x):
+        seen.append(captured.graphing())
+        return [x + 1]
+
+    assert not captured.graphing()
+    with captured.step("on", log=lambda *_: None):
+        captured.region("plus", fn, [torch.ones(2)])  # warm-up, capture (the emulated one runs fn), first replay
+        assert seen == [True, True, False], seen
+        seen.clear()
+        captured.region("plus", fn, [torch.ones(2)])  # a replay (the emulated one reruns the body)
+        assert seen == [False], seen
+        assert not captured.graphing()
+    seen.clear()
+    captured.region("plus", fn, [torch.ones(2)])  # outside a step: runs as is
+    assert seen == [False]
+    emulated.fail = RuntimeError("broken")
+    with captured.step("auto", log=lambda *_: None):
+        captured.region("other", fn, [torch.ones(3)])  # a capture that fails: the flag is down again after it
+    assert not captured.graphing()
+
+
+def test_the_rt_tile_is_timed_as_replayed_inside_a_captured_region_and_as_launched_elsewhere(monkeypatch):
+    from kernels import registry
+    from kernels import rt_prefill
+
+    monkeypatch.setattr(captured, "replay_time", lambda run: ("replayed", run()))
+    monkeypatch.setattr(registry, "wall_time", lambda run: ("launched", run()))
+    assert rt_prefill._tile_timer(lambda: 1) == ("launched", 1)
+    monkeypatch.setattr(captured._state, "graphing", True)
+    assert rt_prefill._tile_timer(lambda: 2) == ("replayed", 2)
+    key = (512, 22, 1, 1, 64, torch.bfloat16, torch.bfloat16, True, "cuda:0", True)
+    assert rt_prefill._describe(key).endswith("alibi, timed as replayed in a CUDA graph")
+    assert "replayed" not in rt_prefill._describe(key[:-1] + (False,))
+
+
+def test_replay_time_off_cuda_is_wall_time():
+    calls = []
+    seconds = captured.replay_time(lambda: calls.append(1))
+    assert isinstance(seconds, float) and seconds >= 0 and len(calls) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to capture CUDA graphs")
+def test_replay_time_leaves_the_launches_out_on_cuda():
+    """A tiny kernel: launched and synced, its time is the launch's; replayed from a graph, the kernel's alone.
+    And the RT tile measured inside a captured step is keyed and described as replayed."""
+    from kernels import registry
+
+    x = torch.zeros(1024, device="cuda")
+    replayed, launched = captured.replay_time(lambda: x.add_(1)), registry.wall_time(lambda: x.add_(1))
+    assert replayed < launched, (replayed, launched)
+    captured.reset(captured.CudaGraphs())
+    registry.reset_choices()
+    model = test_rt.model_of(dtype=torch.float32, d_model=64, n_heads=4).cuda()
+    from pretrain.data.batch import collate
+
+    tokens = torch.randint(0, 60, (2, 34), generator=torch.Generator().manual_seed(2)).numpy()
+    _loss_and_grads(model, collate((tokens, tokens * 0), eod_id=None).to(torch.device("cuda")), "on",
+                    ("cuda", torch.bfloat16))
+    made = registry.choices().get("rt_tile_update", [])
+    assert made and all(c.key[-1] is True and "replayed" in c.where for c in made), [(c.key, c.where) for c in made]
+    captured.reset()
+    registry.reset_choices()
+
+
 def test_an_unchanged_input_is_copied_in_once_and_a_changed_or_new_one_again(emulated):
     """GPN's folded matrices feed every segment of a step: the same tensor, unchanged, is not copied into its
     buffer again; written in place (an optimizer step) or replaced by another tensor, it is."""

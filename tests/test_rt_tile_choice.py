@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import registry
-from kernels.rt_prefill import GRADS, MEASURED_OPS, UPDATE, _grads_inputs, _update_inputs, tiled
+from kernels.rt_prefill import GRADS, MEASURED_OPS, UPDATE, _grads_inputs, _update_inputs, tile_fields, tiled
 from kernels.triton_support import HAVE_TRITON, interpreting
 
 from pretrain.models.rt import LayerView
@@ -17,10 +17,6 @@ import test_rt
 
 pytestmark = pytest.mark.skipif(not (HAVE_TRITON and interpreting()),
                                 reason="needs Triton's interpreter (TRITON_INTERPRET=1) to run the Triton tile on a CPU")
-
-
-def cpu_key(qs, k, *rest):  # the rt_prefill key's fields, on the CPU
-    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, tiled._low(), rest[4] is not None, "cpu")
 
 
 @pytest.fixture
@@ -43,7 +39,7 @@ def opened(monkeypatch):
                 return _fn(qs, k, *rest)
             monkeypatch.setitem(op.paths, name, registry.Path(name, fn, None, path.priority, True, None))
         monkeypatch.setattr(op, "_automatic", sorted(op.paths.values(), key=lambda p: -p.priority))
-        monkeypatch.setattr(op, "measured", registry.Measured(cpu_key, inputs, timer=timer))
+        monkeypatch.setattr(op, "measured", registry.Measured(tile_fields, inputs, timer=timer))
     yield ran
     registry.reset_choices()
     registry.measuring(was)
@@ -83,4 +79,4 @@ def test_on_a_cpu_the_tiled_path_runs_the_pytorch_tile_unmeasured():
 
     torch.testing.assert_close(rt_prefill(x, view, 1), tiled.prefill(x, view, 1), rtol=0, atol=0)
     assert not registry.choices().get("rt_tile_update") and not registry.choices().get("rt_tile_grads")
-    assert UPDATE.pick(*_update_inputs((1, 2, 4, 4, 16, torch.float32, None, True, "cpu"))[0]).name == "torch"
+    assert UPDATE.pick(*_update_inputs((1, 2, 4, 4, 16, torch.float32, None, True, "cpu", False))[0]).name == "torch"

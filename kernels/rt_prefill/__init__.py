@@ -20,14 +20,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import registry
+from kernels import captured, registry
 from kernels.rt_prefill import reference, schedule, tiled
 from kernels.triton_support import triton_can_run
 
 # The tile's two functions as ops of their own: on CUDA each tile shape measures the PyTorch tile (a few
 # dozen small kernels) against the Triton tile (one kernel), both with their products in bf16 under autocast
 # (else fp32), on its first call and keeps the faster; elsewhere the PyTorch tile, so no CPU test or golden
-# curve moves. Small tiles are launch-bound and large ones arithmetic-bound: which wins is measured per shape.
+# curve moves. Small tiles are launch-bound and large ones arithmetic-bound: which wins is measured per shape,
+# and per context: inside a captured region (a CUDA graph replays the loop, and launches cost the host nothing)
+# each path is timed as a replayed graph (captured.replay_time), elsewhere as launched (registry.wall_time).
 UPDATE = registry.op("rt_tile_update")
 GRADS = registry.op("rt_tile_grads")
 
@@ -59,17 +61,28 @@ def _triton_grads(*args):
 
 def _tile_key(qs: Tensor, k: Tensor, *rest):
     """Calls that share a measured choice: CUDA only; the tile's shape, the keys' dtype, the products' (the
-    running tiled call's autocast dtype, or None), ALiBi or not."""
-    if qs.device.type != "cuda":
-        return None
+    running tiled call's autocast dtype, or None), ALiBi or not, and whether a CUDA graph will replay the call
+    (a captured region's warm-up and capture: the choice is timed as replayed there, _tile_timer)."""
+    return tile_fields(qs, k, *rest) if qs.device.type == "cuda" else None
+
+
+def tile_fields(qs: Tensor, k: Tensor, *rest) -> tuple:
+    """_tile_key's fields on any device (the CPU tests open the choice to the CPU with them)."""
     slopes = rest[4]  # the seventh argument of both
-    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, tiled._low(), slopes is not None, str(qs.device))
+    return (*qs.shape[:3], k.shape[2], qs.shape[3], k.dtype, tiled._low(), slopes is not None, str(qs.device),
+            captured.graphing())
+
+
+def _tile_timer(run) -> float:
+    """A tile path's seconds: as a replayed CUDA graph inside a captured region, as launched elsewhere (the key
+    tells the two apart, so each context keeps its own choice)."""
+    return captured.replay_time(run) if captured.graphing() else registry.wall_time(run)
 
 
 def _tile_tensors(key):
     """(qs, k, v, slopes, q0, k0, make): a key's tile on fresh tensors from a private generator (a
     measurement must not move the process's random stream), make(*shape) drawing more."""
-    B, H, nq, nk, D, dtype, _, alibi, device = key  # (the products' dtype is the running call's)
+    B, H, nq, nk, D, dtype, _, alibi, device, _ = key  # (the products' dtype is the running call's)
     g = torch.Generator(device=device).manual_seed(0)
     make = lambda *shape, dt=torch.float32: torch.randn(*shape, generator=g, device=device, dtype=dt)  # noqa: E731
     slopes = torch.linspace(0.5, 0.01, H, device=device) if alibi else None
@@ -93,16 +106,17 @@ def _grads_inputs(key):
 
 
 def _describe(key) -> str:
-    B, H, nq, nk, D, dtype, low, alibi, _ = key
+    B, H, nq, nk, D, dtype, low, alibi, _, graphed = key
     products = f" products {str(low)[6:]}" if low is not None else ""
-    return f"B {B} H {H} queries {nq} keys {nk} d {D} {str(dtype)[6:]}{products}{' alibi' if alibi else ''}"
+    return (f"B {B} H {H} queries {nq} keys {nk} d {D} {str(dtype)[6:]}{products}{' alibi' if alibi else ''}"
+            + (", timed as replayed in a CUDA graph" if graphed else ""))
 
 
 for _op, _torch, _triton_fn, _inputs in ((UPDATE, tiled.update_tile, _triton_update, _update_inputs),
                                          (GRADS, tiled.tile_grads, _triton_grads, _grads_inputs)):
     _op.register("torch", _torch, priority=20)
     _op.register("triton", _triton_fn, priority=10, refusal=_tile_refusal)
-    _op.measure_with(registry.Measured(_tile_key, _inputs, describe=_describe))
+    _op.measure_with(registry.Measured(_tile_key, _inputs, timer=_tile_timer, describe=_describe))
 MEASURED_OPS = tiled.TileOps(UPDATE, GRADS)  # the "tiled" path's tile: per shape, the faster of the two
 
 

@@ -134,6 +134,7 @@ class _State:
     # one set a step, read by each of its ~45 segments, forward and backward)
     copied: dict = field(default_factory=dict)
     copies: int = 0  # input copies made (tests read it)
+    graphing: bool = False  # inside _capture: a region's warm-up and capture, the code its graph replays
 
 
 _state = _State()
@@ -262,6 +263,7 @@ def _buffer(group, kind: str, i: int, like: Tensor) -> Tensor:
 def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
     """Warm fn up, then capture it reading the group's shared input buffers and writing its shared output
     buffers; None (said once) when the capture fails under "auto"."""
+    _state.graphing = True
     try:  # fn empties autocast's cache around each call already (_own_casts)
         static = [_buffer(group, "in", i, t) for i, t in enumerate(inputs)]
         _copy_in(static, inputs, reuse=False)
@@ -284,6 +286,8 @@ def _capture(group, fn, inputs: list, device: torch.device) -> Graph | None:
         _state.eager[group] = f"its capture failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         _say(f"train.cuda_graphs: {group} runs eagerly from now on ({_state.eager[group]})")
         return None
+    finally:
+        _state.graphing = False
     if mutates:  # the warm-up wrote into the buffers
         _forget(static)
     return Graph(static, outputs, replay, keep=fn, mutates=mutates)
