@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
+    p.add_argument("--no-eager", action="store_true",
+                   help="time the CUDA graphs only (the refit reads them alone; the eager rows at batch 1,024 take "
+                        "about a minute of a GPU window); --profile still profiles both")
     p.add_argument("--compile", action="store_true",
                    help="compile the pieces each position runs, as train.compile does (RT.compile); GPU only")
     p.add_argument("--profile", type=int, default=0, metavar="B",
@@ -107,10 +110,11 @@ def main(argv=None) -> int:
         return 1e3 * statistics.median(times)
 
     phases = [False] if args.no_backward else [False, True]
+    modes = ("on",) if args.no_eager else ("off", "on")
     rows, held = {}, {}  # held: what the graphs of each batch size hold (captured.summary)
 
     def measure(B):
-        for mode in ("off", "on"):
+        for mode in modes:
             for backward in phases:
                 try:
                     rows[(B, mode, backward)] = timed(B, mode, backward)
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
         print(f"batch {B}: " + ", ".join(f"{'graphs' if m == 'on' else 'eager'} {'fwd+bwd' if b else 'fwd'} "
                                         f"{rows[(B, m, b)]:.2f} ms" if rows[(B, m, b)] is not None else "OOM"
-                                        for m in ("off", "on") for b in phases), flush=True)
+                                        for m in modes for b in phases), flush=True)
 
     def profile(B, what):
         """One forward and backward after a warm call, captured and then eager, its operators and kernels by
@@ -182,6 +186,8 @@ def main(argv=None) -> int:
         print("| paper, with CUDA graphs | " + " | ".join(f"{SPEC_MS[b][1]:.2f}" if b in SPEC_MS else "—"
                                                        for b in batches) + " |")
     for mode, name in (("off", "eager"), ("on", "CUDA graphs")):
+        if mode not in modes:
+            continue
         for backward in phases:
             print(f"| ours, {name}{', fwd+bwd' if backward else ''} | "
                   + " | ".join(cell(rows[(b, mode, backward)]) for b in batches) + " |")

@@ -580,6 +580,11 @@ def test_the_rt_layer_benchmark_runs_its_table_on_a_cpu():
     assert "| ours, CUDA graphs, fwd+bwd |" in proc.stdout
     assert "- batch 4: captured: rt_prefill forward 1 graph, rt_prefill backward 1 graph;" in proc.stdout
     # --profile: the layer's operators, captured and eager, its custom forward and backward among them
+    # --no-eager: the graphs' rows alone (the refit's), the profile still of both
+    graphs = subprocess.run([sys.executable, str(root / "benchmarks/bench_rt_layer.py"), "--dry-run", "--reps", "1",
+                             "--no-eager", "--batches", "2"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert graphs.returncode == 0, graphs.stdout[-2000:] + graphs.stderr[-2000:]
+    assert "| ours, CUDA graphs, fwd+bwd |" in graphs.stdout and "| ours, eager" not in graphs.stdout
     for mode in ("captured", "eager"):
         table = proc.stdout.split(f"forward and backward at batch 2, {mode}, by operator")[1]
         assert "TiledPrefillBackward" in table.split("###")[0] and "aten::mm" in table.split("###")[0]
