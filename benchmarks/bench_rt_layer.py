@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-backward", action="store_true", help="time the forward only")
     p.add_argument("--no-eager", action="store_true",
-                   help="time the CUDA graphs only (the refit reads them alone; the eager rows at batch 1,024 take "
-                        "about a minute of a GPU window); --profile still profiles both")
+                   help="time the CUDA graphs only (the refit reads them alone; the eager rows at batches 512 and "
+                        "1,024 take, by estimate, about a minute of a GPU window); --profile still profiles both")
     p.add_argument("--compile", action="store_true",
                    help="compile the pieces each position runs, as train.compile does (RT.compile); GPU only")
     p.add_argument("--profile", type=int, default=0, metavar="B",

@@ -48,7 +48,7 @@ if has layer && [ "$PART" = serial ]; then
   # that a timeout leaves the refit; the table sorts them), with the pieces compiled as training runs them (not
   # in a dry run: its emulated graphs cannot run compiled code)
   # then (LAYER_PROFILE=B, default 512) one layer's kernels by device time at batch B, captured and eager;
-  # LAYER_NO_EAGER=1 times the graphs alone (what the refit reads: the eager rows cost about a minute)
+  # LAYER_NO_EAGER=1 times the graphs alone (what the refit reads: the eager rows cost about a minute, by estimate)
   if [ -n "${DRY:-}" ]; then LAYER_ARGS="--dry-run --profile 2"
   else LAYER_ARGS="--compile --batches ${LAYER_BATCHES:-512,2048,32,128} --profile ${LAYER_PROFILE:-512}"; fi
   [ -n "${LAYER_NO_EAGER:-}" ] && LAYER_ARGS="$LAYER_ARGS --no-eager"
