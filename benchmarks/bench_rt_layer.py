@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         for mode in ("on", "off"):
             captured.reset()
             x = torch.randn(B, args.seq, args.d_model, device=device, requires_grad=True)
-            totals = {}
+            totals, kind = {}, "captured" if mode == "on" else "eager"
             with captured.step(mode, log=lambda *_: None):
                 for backward in (False, True):  # the forward alone, for the split of the summary below
                     call(x, backward)  # captures (on)
@@ -152,12 +152,12 @@ def main(argv=None) -> int:
                         sync()
                     totals[backward] = work_items(prof.key_averages(), cuda)
             block.zero_grad(set_to_none=True)
-            print(f"\n### One RT layer's forward and backward at batch {B}, {'captured' if mode == 'on' else 'eager'}, "
+            print(f"\n### One RT layer's forward and backward at batch {B}, {kind}, "
                   f"by {'kernel (device time)' if cuda else 'operator (CPU time: a dry run)'} ({what})\n")
             print(prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                             row_limit=20))
             print(per_position(totals[False], totals[True], args.seq, "kernels" if cuda else "operators",
-                               label=f"batch {B}, {'captured' if mode == 'on' else 'eager'}"))
+                               label=f"batch {B}, {kind}"))
 
     def ended(*_):
         raise _Ended

@@ -53,6 +53,7 @@ inside the region) is said once and that region runs eagerly from then on ("on":
 """
 from __future__ import annotations
 
+import statistics
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -499,8 +500,7 @@ def replay_time(run: Callable[[], object], warmup: int = 2, reps: int = 5, calls
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls)
-    times.sort()
-    return times[len(times) // 2]
+    return statistics.median(times)
 
 
 __all__ = ["CudaGraphs", "Emulated", "MODES", "autocast_as", "autocast_state", "check", "graphing", "region",
