@@ -215,19 +215,20 @@ def work_items(averages, cuda: bool) -> dict[str, tuple[int, float]]:
     return {e.key: (e.count, e.self_cpu_time_total) for e in averages if e.key.startswith("aten::")}
 
 
-def per_position(forward: dict, both: dict, positions: int, what: str = "kernels", top: int = 6, label: str = "") -> str:
+def per_position(forward: dict, both: dict, positions: int, what: str = "kernels", top: int = 6,
+                 label: str = "") -> str:
     """The profile summed and divided by the positions: microseconds and launches a position, forward and
     backward (the forward-and-backward profile less the forward's), and the largest items of each, so the
     serial loop's cost reads against its arithmetic (spec-003 §3.7: the loop's launches, not its FLOPs)."""
     backward = {k: (n - forward.get(k, (0, 0.0))[0], us - forward.get(k, (0, 0.0))[1]) for k, (n, us) in both.items()}
-    lines = []
+    lines, of = [], f" ({label})" if label else ""
     for name, items in (("forward", forward), ("backward", backward)):
         n = sum(c for c, _ in items.values())
         us = sum(t for _, t in items.values())
         big = sorted(items.items(), key=lambda kv: -kv[1][1])[:top]
-        lines.append(f"- {name}{f' ({label})' if label else ''}: {us / positions:,.1f} us and {n / positions:.1f} {what} a position ({us / 1e3:,.1f} ms, "
-                     f"{n:,} {what}, {positions} positions); the largest, us a position: "
-                     + "; ".join(f"{k[:60]} {t / positions:,.1f} ({c / positions:.1f}x)" for k, (c, t) in big))
+        largest = "; ".join(f"{k[:60]} {t / positions:,.1f} ({c / positions:.1f}x)" for k, (c, t) in big)
+        lines.append(f"- {name}{of}: {us / positions:,.1f} us and {n / positions:.1f} {what} a position "
+                     f"({us / 1e3:,.1f} ms, {n:,} {what}, {positions} positions); the largest, us a position: {largest}")
     return "\n".join(lines)
 
 
